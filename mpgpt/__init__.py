@@ -1,0 +1,38 @@
+"""mpgpt: mixed-precision GPT training from scratch — the package every chapter of the course imports.
+
+Map of the package (leaves first; each module's docstring names the chapter that teaches it):
+
+    formats      bit-level views of fp32 / fp16 / bf16 / fp8                      chapter 1
+    model        GPTConfig and GPT, the fp32 reference model                      chapter 2
+    data         character tokenizer, the embedded corpus, loaders                chapter 2
+    precision    precision policies, device defaults, fp32 master weights         chapter 3
+    scaling      static and dynamic loss scalers, written from scratch            chapters 4, 5
+    checkpoint   atomic save and verified load                                    chapter 5
+    kernels      Triton bf16 matmul with a fused epilogue, TritonLinear           chapter 6
+    train        the training loop and the `python -m mpgpt.train` CLI            chapters 2-5
+    bench        benchmarks that write versioned result files                     chapters 6, 7
+    distributed  DDP / FSDP2 wiring and rank-agreed overflow decisions            chapter 8
+    plots        figures and widgets the chapters share                           all
+
+Names are imported lazily so that `import mpgpt` stays fast and works where Triton is missing.
+"""
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "GPT": "model", "GPTConfig": "model",
+    "CharTokenizer": "data", "TextDataset": "data", "default_corpus": "data", "load_text": "data",
+    "StaticLossScaler": "scaling", "DynamicLossScaler": "scaling",
+    "PrecisionPolicy": "precision", "resolve_precision": "precision",
+    "TrainConfig": "train", "History": "train",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        module = importlib.import_module(f"mpgpt.{_EXPORTS[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module 'mpgpt' has no attribute {name!r}")

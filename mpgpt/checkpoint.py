@@ -1,0 +1,94 @@
+"""Atomic checkpoint save and verified load (chapter 5).
+
+A checkpoint is one ``torch.save`` file holding everything needed to continue a run exactly:
+model (and fp32 master) weights, optimizer state, loss-scaler state, RNG states, the step and the
+configs. Two promises:
+
+* **Never half-written.** We write to a temporary file in the same folder, flush and fsync it, then
+  ``os.replace`` it over the target. ``os.replace`` is atomic on POSIX and Windows when both paths
+  are on one filesystem, so a crash leaves either the old checkpoint or the new one, never a torn mix.
+* **Never partly loaded.** :func:`load_checkpoint` reads the whole file with ``weights_only=True``
+  (no arbitrary pickles), checks that it is an mpgpt checkpoint of a known version, and
+  :func:`check_compatible` compares the model config and every tensor's name and shape *before*
+  anything is copied into a live model or optimizer.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["FORMAT", "VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "check_compatible"]
+
+FORMAT = "mpgpt-checkpoint"
+VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: truncated, foreign, or made for a different model."""
+
+
+def save_checkpoint(path, state: dict) -> Path:
+    """Write ``state`` (plus format tags) to ``path`` atomically and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"format": FORMAT, "version": VERSION, **state}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # Whatever went wrong (disk full, Ctrl-C), the target is untouched and no debris stays behind.
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path
+
+
+def load_checkpoint(path) -> dict:
+    """Read and validate a checkpoint file; raise CheckpointError with a one-line reason if unusable."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist; check the path passed to --resume")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # zip reader errors on truncation, unpickling errors on foreign files
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path} is truncated or not a torch file ({first_line}); "
+                              "resume from an earlier checkpoint") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an mpgpt checkpoint (no '{FORMAT}' tag); "
+                              "pass a file written by mpgpt.train")
+    if state.get("version") != VERSION:
+        raise CheckpointError(f"{path} has checkpoint version {state.get('version')}, this mpgpt reads "
+                              f"version {VERSION}; use the mpgpt release that wrote it")
+    return state
+
+
+def check_compatible(state: dict, model_config: dict, model_state: dict) -> None:
+    """Raise CheckpointError unless the checkpoint was made for this exact model.
+
+    ``model_config`` is the running model's config as a dict, ``model_state`` its ``state_dict()``.
+    Names and shapes of every tensor must match, so a later ``load_state_dict`` cannot fail halfway.
+    """
+    saved = state.get("model_config", {})
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs requested {v!r}"
+             for k, v in model_config.items() if saved.get(k) != v]
+    if diffs:
+        raise CheckpointError("checkpoint was made for a different model (" + "; ".join(diffs)
+                              + "); resume with the same preset and overrides")
+    ckpt_model = state.get("model", {})
+    missing = sorted(set(model_state) - set(ckpt_model))
+    extra = sorted(set(ckpt_model) - set(model_state))
+    if missing or extra:
+        raise CheckpointError(f"checkpoint tensors do not match the model (missing {missing[:3]}, "
+                              f"unexpected {extra[:3]}); resume with the same model")
+    for name, tensor in model_state.items():
+        if tuple(ckpt_model[name].shape) != tuple(tensor.shape):
+            raise CheckpointError(f"checkpoint tensor {name} has shape {tuple(ckpt_model[name].shape)}, "
+                                  f"the model expects {tuple(tensor.shape)}; resume with the same model")
