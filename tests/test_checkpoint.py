@@ -1,0 +1,75 @@
+"""Checkpoints: atomic writes, and clear refusals of truncated, foreign or mismatched files."""
+import os
+
+import pytest
+import torch
+
+from mpgpt import checkpoint
+from mpgpt.checkpoint import CheckpointError, check_compatible, load_checkpoint, save_checkpoint
+
+
+def _state():
+    return {"model_config": {"n_layer": 2}, "model": {"w": torch.randn(3, 4)}, "step": 7}
+
+
+def test_round_trip(tmp_path):
+    state = _state()
+    path = save_checkpoint(tmp_path / "ckpt.pt", state)
+    loaded = load_checkpoint(path)
+    assert loaded["step"] == 7 and torch.equal(loaded["model"]["w"], state["model"]["w"])
+    assert loaded["format"] == checkpoint.FORMAT
+    assert os.listdir(tmp_path) == ["ckpt.pt"]  # no temp files left behind
+
+
+def test_failed_write_leaves_old_checkpoint_intact_and_no_debris(tmp_path, monkeypatch):
+    path = save_checkpoint(tmp_path / "ckpt.pt", _state())
+    before = path.read_bytes()
+
+    def exploding_save(obj, f, *a, **k):
+        f.write(b"PK\x03\x04 half a zip file")  # some bytes reach the temp file, then the disk "fills"
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", exploding_save)
+    with pytest.raises(OSError):
+        save_checkpoint(path, _state())
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+def test_truncated_checkpoint_is_refused(tmp_path):
+    path = save_checkpoint(tmp_path / "ckpt.pt", _state())
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_checkpoint(path)
+
+
+def test_foreign_files_are_refused(tmp_path):
+    other = tmp_path / "other.pt"
+    torch.save({"state_dict": {"w": torch.ones(2)}}, other)
+    with pytest.raises(CheckpointError, match="not an mpgpt checkpoint"):
+        load_checkpoint(other)
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(os.urandom(1000))
+    with pytest.raises(CheckpointError):
+        load_checkpoint(junk)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_future_version_is_refused(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    torch.save({"format": checkpoint.FORMAT, "version": checkpoint.VERSION + 1}, path)
+    with pytest.raises(CheckpointError, match="version"):
+        load_checkpoint(path)
+
+
+def test_check_compatible_names_the_difference():
+    state = {"model_config": {"n_layer": 2, "n_embd": 8}, "model": {"w": torch.zeros(8, 8)}}
+    check_compatible(state, {"n_layer": 2, "n_embd": 8}, {"w": torch.empty(8, 8)})
+    with pytest.raises(CheckpointError, match="n_layer: checkpoint 2 vs requested 3"):
+        check_compatible(state, {"n_layer": 3, "n_embd": 8}, {"w": torch.empty(8, 8)})
+    with pytest.raises(CheckpointError, match="shape"):
+        check_compatible(state, {"n_layer": 2, "n_embd": 8}, {"w": torch.empty(8, 9)})
+    with pytest.raises(CheckpointError, match="missing"):
+        check_compatible(state, {"n_layer": 2, "n_embd": 8}, {"w": torch.empty(8, 8), "b": torch.empty(8)})
