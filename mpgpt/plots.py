@@ -1,0 +1,180 @@
+"""Figures and widgets the chapters share (matplotlib; ipywidgets for the explorers).
+
+Every plotting function returns its matplotlib Figure, so a notebook cell shows it and the book
+renders it from the committed output. Widgets do not render in the static book: each one has a
+static figure that shows the same thing.
+
+Chapter 1 (number formats): `plot_bit_layouts`, `plot_value_bits`, `plot_representable`,
+`plot_accumulation`, `format_explorer`.
+"""
+from __future__ import annotations
+
+import html
+
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+
+from mpgpt import formats as F
+
+FIELD_COLORS = {"sign": "#e07a5f", "exponent": "#81b29a", "mantissa": "#3d85c6"}
+FORMAT_COLORS = {"fp32": "#222222", "fp16": "#d62728", "bf16": "#1f77b4",
+                 "e4m3fn": "#9467bd", "e5m2": "#ff7f0e"}
+
+
+def _field_of_bit(i: int, f: F.FloatFormat) -> str:
+    """Which field bit i (0 = most significant) belongs to."""
+    return "sign" if i == 0 else "exponent" if i <= f.exponent_bits else "mantissa"
+
+
+def _draw_bits(ax, f: F.FloatFormat, y: float, pattern: str | None = None) -> None:
+    """One row of unit boxes, one per bit, colored by field; digits written in if given."""
+    digits = pattern.replace("|", "") if pattern else None
+    for i in range(f.total_bits):
+        ax.add_patch(Rectangle((i, y), 1, 0.8, facecolor=FIELD_COLORS[_field_of_bit(i, f)],
+                               edgecolor="white", linewidth=1.0))
+        if digits:
+            ax.text(i + 0.5, y + 0.4, digits[i], ha="center", va="center", fontsize=8, color="white")
+
+
+def plot_bit_layouts(formats=None) -> Figure:
+    """The bit layout of each format: sign, exponent and mantissa boxes, with range and eps."""
+    fs = [F.get_format(f) for f in (formats or F.FORMATS)]
+    fig, ax = plt.subplots(figsize=(11, 0.75 * len(fs) + 0.8))
+    for row, f in enumerate(fs):
+        y = len(fs) - 1 - row
+        _draw_bits(ax, f, y)
+        ax.text(-0.6, y + 0.4, f.name, ha="right", va="center", fontsize=11, fontweight="bold")
+        ax.text(f.total_bits + 0.6, y + 0.4,
+                f"1+{f.exponent_bits}+{f.mantissa_bits} bits   max {f.max_finite:.3g}   "
+                f"eps {f.eps:.2g}", ha="left", va="center", fontsize=9)
+    for label, color in FIELD_COLORS.items():
+        ax.add_patch(Rectangle((0, 0), 0, 0, facecolor=color, label=label))
+    ax.legend(loc="upper center", bbox_to_anchor=(0.35, 0.0), ncol=3, frameon=False)
+    ax.set_xlim(-6, 52)
+    ax.set_ylim(-0.3, len(fs))
+    ax.axis("off")
+    ax.set_title("Bit layouts: sign | exponent | mantissa")
+    fig.tight_layout()
+    return fig
+
+
+def plot_value_bits(x: float, formats=None) -> Figure:
+    """What a number becomes in each format: its bits, the stored value and the relative error.
+    The static twin of `format_explorer`."""
+    fs = [F.get_format(f) for f in (formats or F.FORMATS)]
+    fig, ax = plt.subplots(figsize=(11, 0.75 * len(fs) + 0.8))
+    for row, f in enumerate(fs):
+        y = len(fs) - 1 - row
+        _draw_bits(ax, f, y, F.bits(x, f))
+        ax.text(-0.6, y + 0.4, f.name, ha="right", va="center", fontsize=11, fontweight="bold")
+        stored = F.round_to(x, f)
+        rel = F.rounding_error(x, f, relative=True)
+        ax.text(f.total_bits + 0.6, y + 0.4, f"{stored:.8g}   (rel. error {rel:+.1e})",
+                ha="left", va="center", fontsize=9)
+    ax.set_xlim(-6, 56)
+    ax.set_ylim(-0.1, len(fs))
+    ax.axis("off")
+    ax.set_title(f"x = {x!r} stored in each format")
+    fig.tight_layout()
+    return fig
+
+
+def plot_representable(formats=("e4m3fn", "e5m2")) -> Figure:
+    """Every positive finite value of small formats on a log axis: the gaps double each binade,
+    so the relative spacing stays the same; subnormals thin out at the bottom."""
+    fs = [F.get_format(f) for f in formats]
+    fig, ax = plt.subplots(figsize=(10, 0.9 * len(fs) + 1))
+    for row, f in enumerate(fs):
+        if f.total_bits > 8:
+            raise ValueError(f"plot_representable enumerates every value; {f.name} has too many")
+        decoded = [F.decode_bits(p, f) for p in range(2 ** (f.total_bits - 1))]  # sign bit 0
+        normal = [float(d.value) for d in decoded if d.kind == "normal"]
+        sub = [float(d.value) for d in decoded if d.kind == "subnormal"]
+        y = len(fs) - 1 - row
+        ax.vlines(normal, y - 0.3, y + 0.3, color=FORMAT_COLORS.get(f.name, "k"), linewidth=0.8)
+        ax.vlines(sub, y - 0.3, y + 0.3, color="gray", linewidth=0.8)
+        ax.text(f.smallest_subnormal / 2, y, f.name, ha="right", va="center", fontweight="bold")
+    ax.set_xscale("log", base=2)
+    ax.set_yticks([])
+    ax.set_xlabel("value (log scale); gray = subnormal")
+    ax.set_title("Every positive finite fp8 value")
+    ax.set_ylim(-0.7, len(fs) - 0.3)
+    fig.tight_layout()
+    return fig
+
+
+DEFAULT_ACCUMULATION_CASES = (("fp32", None), ("fp16", None), ("bf16", None),
+                              ("fp16", "fp32"), ("bf16", "fp32"))
+
+
+def plot_accumulation(values, cases=DEFAULT_ACCUMULATION_CASES) -> Figure:
+    """Running sums of `values` for each (storage format, accumulator format) case, against the
+    exact (float64) running sum."""
+    import torch
+
+    v = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+    steps = torch.arange(1, v.numel() + 1)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot(steps, torch.cumsum(v, 0), color="0.6", linewidth=4, alpha=0.5, label="exact (fp64)")
+    for fmt, acc in cases:
+        f = F.get_format(fmt)
+        partial = F.running_sum(v, f, acc)
+        label = f"{f.name} values, {F.get_format(acc).name if acc else f.name} accumulator"
+        ax.plot(steps, partial, color=FORMAT_COLORS.get(f.name, None),
+                linestyle="--" if acc else "-", label=f"{label}: {float(partial[-1]):.4g}")
+    ax.set_xlabel("number of values added")
+    ax.set_ylabel("running sum")
+    ax.set_title("Summing many small numbers, one at a time")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def explorer_html(x: float, formats=None) -> str:
+    """The explorer's table for one number, as HTML: bits (colored by field), stored value,
+    neighbours and rounding error in each format."""
+    fs = [F.get_format(f) for f in (formats or F.FORMATS)]
+    rows = []
+    for f in fs:
+        pattern = F.bits(x, f)
+        s, e, m = pattern.split("|")
+        colored = "".join(
+            f'<span style="background:{FIELD_COLORS[field]};color:white;padding:0 2px">{d}</span>'
+            for field, d in (("sign", s), ("exponent", e), ("mantissa", m)))
+        d = F.decode(x, f)
+        stored = F.round_to(x, f)
+        try:
+            lo, hi = F.neighbors(x, f)
+            around = f"{lo:.6g} … {hi:.6g}"
+        except (ValueError, OverflowError):
+            around = "–"
+        rel = F.rounding_error(x, f, relative=True)
+        rows.append(f"<tr><td><b>{f.name}</b></td><td style='font-family:monospace'>{colored}</td>"
+                    f"<td>{d.kind}</td><td>{stored:.10g}</td><td>{html.escape(around)}</td>"
+                    f"<td>{rel:+.2e}</td></tr>")
+    head = ("<tr><th>format</th><th>sign | exponent | mantissa</th><th>kind</th>"
+            "<th>stored value</th><th>neighbours</th><th>rel. error</th></tr>")
+    return f"<table>{head}{''.join(rows)}</table>"
+
+
+def format_explorer(value: str | float = "0.1", formats=None):
+    """An ipywidgets explorer: type a number, see its bits and rounding in each format.
+    Accepts anything float() reads ("1e-8", "inf", "nan"). Returns the widget (a VBox)."""
+    import ipywidgets as widgets
+
+    box = widgets.Text(value=str(value), description="x =", continuous_update=False)
+    out = widgets.HTML()
+
+    def show(_=None):
+        try:
+            x = float(box.value)
+        except ValueError:
+            out.value = f"<i>Cannot read {html.escape(box.value)!r} as a number; try 0.1 or 1e-8.</i>"
+            return
+        out.value = explorer_html(x, formats)
+
+    box.observe(show, names="value")
+    show()
+    return widgets.VBox([box, out])
