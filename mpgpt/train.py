@@ -388,8 +388,12 @@ class Trainer:
         self.history = History(**state["history"])
 
     # ----------------------------------------------------------------------------------------
-    def run(self, after_backward=None) -> History:
-        """Train until ``cfg.steps`` optimizer steps have been taken in total; return the History."""
+    def run(self, after_backward=None, until: int | None = None) -> History:
+        """Train until ``cfg.steps`` optimizer steps have been taken in total; return the History.
+
+        ``until`` stops early after that many steps (saving a checkpoint if ``out_dir`` is set), as an
+        interrupted run would; the schedule still follows ``cfg.steps``, so a resumed run continues it.
+        """
         from tqdm import tqdm
 
         cfg, hist = self.cfg, self.history
@@ -398,11 +402,12 @@ class Trainer:
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.progress, desc=f"train {self.policy.name}",
                    dynamic_ncols=True, file=sys.stderr)
         t_last = time.perf_counter()
-        while self.step < cfg.steps:
+        stop = cfg.steps if until is None else min(until, cfg.steps)
+        while self.step < stop:
             step = self.step
             loss, grad_norm, lr = self.train_step(after_backward)
             pending.append((step, loss, grad_norm, lr, self.scaler.get_scale(), self.scaler.last_step_skipped))
-            last = self.step == cfg.steps
+            last = self.step == stop
             if len(pending) >= cfg.log_interval or last:
                 values = torch.stack([torch.stack([p[1], p[2].float()]) for p in pending]).tolist()
                 if self.device.type == "cuda":
@@ -431,7 +436,7 @@ class Trainer:
                 self.save(Path(cfg.out_dir) / "ckpt.pt")
                 t_last = time.perf_counter()
         bar.close()
-        if cfg.sample_tokens:
+        if cfg.sample_tokens and self.step == cfg.steps:
             hist.sample = self.sample()
         if cfg.out_dir:
             self.save(Path(cfg.out_dir) / "ckpt.pt")

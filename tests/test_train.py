@@ -43,8 +43,8 @@ def test_short_run_learns_the_corpus():
 def test_resume_is_bit_identical(tmp_path, precision):
     full = Trainer(_cfg(precision=precision))
     full.run()
-    first = Trainer(_cfg(precision=precision, steps=5, out_dir=str(tmp_path)))
-    first.run()
+    first = Trainer(_cfg(precision=precision, out_dir=str(tmp_path)))
+    first.run(until=5)  # as if killed after step 5
     second = Trainer(_cfg(precision=precision, resume=str(tmp_path / "ckpt.pt")))
     second.load(tmp_path / "ckpt.pt")
     assert second.step == 5

@@ -1,0 +1,280 @@
+"""Benchmarks that print a table and write a versioned JSON result file (chapters 6 and 7).
+
+    python -m mpgpt.bench train     # GPT-2-small training throughput across precisions
+    python -m mpgpt.bench kernels   # Triton matmul against cuBLAS (mpgpt.kernels.bench)
+
+Every result file under ``benchmarks/results/`` records the GPU, driver, CUDA, torch and triton
+versions, the date and the exact command, so a number in the book can always be traced to the
+hardware and software that produced it.
+
+Training throughput is measured on synthetic tokens (random ids, never zeros) with the real
+trainer step (``mpgpt.train.Trainer.train_step``): the median step time over ``--steps`` timed steps
+after ``--warmup`` steps. MFU = flops_per_token × tokens/s ÷ peak, with flops_per_token from
+``GPT.flops_per_token`` (6N + 12·L·H·Q·T, PaLM appendix B) and peak the GPU's dense bf16 rate.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["environment", "write_result", "bench_train", "main", "TRAIN_CONFIGS"]
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+def environment() -> dict:
+    """GPU, driver, CUDA, torch and triton versions, the date and the command, for a result file."""
+    env = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m mpgpt.bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        if sys.argv and sys.argv[0].endswith("bench.py") else " ".join(shlex.quote(a) for a in sys.argv),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": None, "gpu_count": 0, "driver": None, "capability": None,
+    }
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["gpu_count"] = torch.cuda.device_count()
+        env["capability"] = "sm_%d%d" % torch.cuda.get_device_capability(0)
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            env["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError, IndexError):
+            env["driver"] = None
+    else:
+        env["gpu"] = f"CPU ({platform.processor() or platform.machine()})"
+    return env
+
+
+def write_result(kind: str, payload: dict, out_dir=None) -> Path:
+    """Write ``{environment, **payload}`` to ``<out_dir>/<kind>_<gpu>_<date>.json`` and return the path."""
+    env = environment()
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", env["gpu"] or "cpu").strip("-").lower()
+    day = env["date"][:10]
+    out = Path(out_dir) if out_dir else RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{kind}_{slug}_{day}.json"
+    path.write_text(json.dumps({"environment": env, **payload}, indent=2) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# Training throughput
+# ------------------------------------------------------------------------------------------------
+# name -> (precision policy, scaler, torch.compile, Triton linears)
+TRAIN_CONFIGS = {
+    "fp32": ("fp32", "none", False, False),
+    "tf32": ("tf32", "none", False, False),
+    "fp16": ("fp16", "dynamic", False, False),
+    "fp16-gradscaler": ("fp16", "torch", False, False),
+    "bf16": ("bf16", "none", False, False),
+    "fp16+compile": ("fp16", "dynamic", True, False),
+    "bf16+compile": ("bf16", "none", True, False),
+    "bf16+compile+triton": ("bf16", "none", True, True),
+}
+
+
+class _SyntheticTokens:
+    """Random token batches already on the device, rotated so no step re-reads the same batch."""
+
+    class _Tok:
+        def __init__(self, vocab_size):
+            self.vocab_size = vocab_size
+
+    def __init__(self, vocab_size, batch_size, block_size, device, pool=4, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.tokenizer = self._Tok(vocab_size)
+        data = torch.randint(0, 50257, (pool, batch_size, block_size + 1), generator=g)
+        self.batches = [(d[:, :-1].to(device), d[:, 1:].to(device)) for d in data]
+        self.i = 0
+
+    def get_batch(self, split, batch_size, block_size, generator=None, device=None):
+        self.i = (self.i + 1) % len(self.batches)
+        return self.batches[self.i]
+
+
+def _make_trainer(name, preset, batch_size, block_size, device, checkpointing=False):
+    from mpgpt.train import TrainConfig, Trainer
+
+    precision, scaler, compile_, triton_ = TRAIN_CONFIGS[name]
+    cfg = TrainConfig(preset=preset, precision=precision, scaler="dynamic" if scaler == "torch" else scaler,
+                      batch_size=batch_size, block_size=block_size, compile=False, device=str(device),
+                      progress=False, sample_tokens=0, steps=10**9, warmup_steps=10, lr=6e-4)
+    from mpgpt.model import GPT, GPTConfig
+
+    overrides = {"block_size": block_size} if block_size else {}
+    model = GPT(GPTConfig.preset(preset, **overrides))
+    data = _SyntheticTokens(model.config.vocab_size, batch_size, model.config.block_size, device)
+    trainer = Trainer(cfg, model=model, dataset=data)
+    if scaler == "torch":
+        trainer.scaler = _GradScalerAdapter(device)
+    if triton_:
+        trainer.model.use_triton(True)
+    if checkpointing and hasattr(trainer.model, "set_activation_checkpointing"):
+        trainer.model.set_activation_checkpointing(True)
+    if compile_:
+        trainer.forward = torch.compile(trainer.model)
+    return trainer
+
+
+class _GradScalerAdapter:
+    """torch.amp.GradScaler behind the interface our trainer uses, for the overhead comparison."""
+
+    def __init__(self, device):
+        self.inner = torch.amp.GradScaler(torch.device(device).type)
+        self.last_step_skipped = False  # not tracked: reading it would add a sync GradScaler avoids
+
+    def scale(self, loss):
+        return self.inner.scale(loss)
+
+    def unscale_(self, optimizer):
+        self.inner.unscale_(optimizer)
+
+    def step(self, optimizer):
+        return self.inner.step(optimizer)
+
+    def update(self):
+        self.inner.update()
+
+    def get_scale(self):
+        return self.inner.get_scale()
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+
+def _time_steps(trainer, warmup, steps) -> list[float]:
+    """Per-step wall times in ms, measured with CUDA events (no host sync inside the timed region)."""
+    for _ in range(warmup):
+        trainer.train_step()
+    cuda = trainer.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        events[0].record()
+        for i in range(steps):
+            trainer.train_step()
+            events[i + 1].record()
+        torch.cuda.synchronize()
+        return [events[i].elapsed_time(events[i + 1]) for i in range(steps)]
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        trainer.train_step()
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10, steps=30,
+                checkpointing=False) -> list[dict]:
+    """Measure each named configuration; return one row per configuration."""
+    from mpgpt.train import peak_flops
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = []
+    for name in names:
+        if name not in TRAIN_CONFIGS:
+            raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(TRAIN_CONFIGS)}")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        row = {"config": name, "preset": preset, "batch_size": batch_size, "activation_checkpointing": checkpointing}
+        try:
+            trainer = _make_trainer(name, preset, batch_size, block_size, device, checkpointing)
+            t0 = time.perf_counter()
+            times = _time_steps(trainer, warmup, steps)
+            row["wall_s"] = round(time.perf_counter() - t0, 1)
+        except torch.OutOfMemoryError:
+            row["error"] = "out of memory"
+            rows.append(row)
+            print(f"{name:>22}: out of memory at batch {batch_size}", flush=True)
+            continue
+        except Exception as e:  # a configuration that cannot run here (e.g. Triton on CPU) is recorded, not fatal
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            rows.append(row)
+            print(f"{name:>22}: {row['error']}", flush=True)
+            continue
+        ms = statistics.median(times)
+        tokens = batch_size * trainer.block_size
+        tps = tokens / (ms / 1e3)
+        flops = trainer.model.flops_per_token()
+        peak = peak_flops(device)
+        row.update({
+            "block_size": trainer.block_size, "tokens_per_step": tokens,
+            "ms_per_step_median": round(ms, 3), "ms_per_step_min": round(min(times), 3),
+            "ms_per_step_max": round(max(times), 3), "tokens_per_s": round(tps),
+            "flops_per_token": flops, "mfu_vs_989T": round(flops * tps / 989e12, 4) if device.type == "cuda" else None,
+            "mfu_vs_datasheet_peak": round(flops * tps / peak, 4) if peak else None,
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+            "skipped_steps": None,
+            "timed_steps": steps, "warmup_steps": warmup,
+        })
+        rows.append(row)
+        print(f"{name:>22}: {ms:8.2f} ms/step  {tps/1e3:8.1f}k tok/s  "
+              f"MFU {row['mfu_vs_989T'] if row['mfu_vs_989T'] is not None else '-'}  "
+              f"mem {row['peak_memory_gib']} GiB", flush=True)
+        del trainer
+    return rows
+
+
+def _print_table(rows):
+    print(f"\n{'config':>22} | {'batch':>5} | {'ms/step':>8} | {'tok/s':>9} | {'MFU':>6} | {'GiB':>6}")
+    print("-" * 70)
+    for r in rows:
+        if "error" in r:
+            print(f"{r['config']:>22} | {r['batch_size']:>5} | {r['error']}")
+            continue
+        mfu = f"{100 * r['mfu_vs_989T']:.1f}%" if r["mfu_vs_989T"] is not None else "-"
+        print(f"{r['config']:>22} | {r['batch_size']:>5} | {r['ms_per_step_median']:>8.2f} | "
+              f"{r['tokens_per_s']:>9,} | {mfu:>6} | {r['peak_memory_gib']}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mpgpt.bench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("train", help="training throughput across precisions")
+    t.add_argument("--preset", default="gpt2")
+    t.add_argument("--batch-size", type=int, default=12)
+    t.add_argument("--block-size", type=int, default=None)
+    t.add_argument("--configs", default=",".join(n for n in TRAIN_CONFIGS if n != "fp16-gradscaler"),
+                   help="comma-separated names from: " + ", ".join(TRAIN_CONFIGS))
+    t.add_argument("--warmup", type=int, default=10)
+    t.add_argument("--steps", type=int, default=30)
+    t.add_argument("--activation-checkpointing", action="store_true")
+    t.add_argument("--out-dir", default=None, help="where the JSON goes (default benchmarks/results)")
+    t.add_argument("--tag", default="train", help="file name prefix of the result file")
+    k = sub.add_parser("kernels", help="Triton matmul against cuBLAS", add_help=False)
+    k.add_argument("rest", nargs=argparse.REMAINDER)
+    args, rest = parser.parse_known_args(argv)
+    if args.what == "kernels":
+        from mpgpt.kernels import bench as kbench
+        return kbench.main(args.rest + rest) or 0
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    rows = bench_train(names, args.preset, args.batch_size, args.block_size, args.warmup, args.steps,
+                       args.activation_checkpointing)
+    _print_table(rows)
+    path = write_result(args.tag, {"benchmark": "train", "rows": rows}, args.out_dir)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
