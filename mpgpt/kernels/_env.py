@@ -1,0 +1,113 @@
+"""Where the Triton kernels can run, decided once at import (chapter 6).
+
+Three situations, and what each one means for `mpgpt.kernels`:
+
+* a CUDA GPU with compute capability >= 8.0 (A100, L4, H100, H200): kernels are compiled;
+* no CUDA GPU (a laptop, CI, a free CPU notebook): Triton's interpreter runs the kernels with
+  numpy. `TRITON_INTERPRET=1` must be set *before* `@triton.jit` decorates a kernel, so this
+  module sets it (unless you set it yourself) and `mpgpt.kernels` imports it first;
+* Triton not installed (macOS, Windows: Triton ships Linux wheels only): `import mpgpt` still
+  works; the kernel entry points raise a RuntimeError that says why.
+
+A GPU below compute capability 8.0 (Colab's free T4 is sm_75) cannot compile bf16 Triton code
+(`ptxas: Feature '.bf16' requires .target sm_80`); `check_device` turns that into a clear error.
+"""
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import torch
+
+# Must happen before `import triton` decorates anything in matmul.py. setdefault: a user who
+# exported TRITON_INTERPRET themselves (0 or 1) keeps their choice.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:
+    import triton
+    import triton.language as tl
+
+    TRITON_IMPORT_ERROR: str | None = None
+except ImportError as exc:  # macOS / Windows, or a Linux box without the wheel
+    TRITON_IMPORT_ERROR = (
+        f"Triton is not installed ({exc.__class__.__name__}: {exc}); it supports Linux only. "
+        "Use torch.nn.Linear / torch.matmul instead, or run on Linux (e.g. Colab)."
+    )
+
+    def _not_available(*args, **kwargs):
+        raise RuntimeError(TRITON_IMPORT_ERROR)
+
+    class _Stub:
+        """Stands in for a jitted kernel so the module body still defines its functions."""
+
+        def __init__(self, fn=None, **kwargs):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return _not_available
+
+        def __call__(self, *args, **kwargs):
+            return _not_available()
+
+    def _decorator(fn=None, **kwargs):
+        return _Stub(fn) if callable(fn) else (lambda f: _Stub(f))
+
+    triton = SimpleNamespace(  # only the names matmul.py uses at import time
+        jit=_decorator,
+        autotune=lambda *a, **k: (lambda f: f),
+        Config=lambda *a, **k: None,
+        cdiv=lambda a, b: -(-a // b),
+    )
+    tl = SimpleNamespace(constexpr=object)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its numpy interpreter instead of compiling them."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def kernels_available() -> tuple[bool, str]:
+    """Can `mpgpt.kernels` run here? Returns (ok, one line saying how or why not)."""
+    if TRITON_IMPORT_ERROR is not None:
+        return False, TRITON_IMPORT_ERROR
+    if interpreting():
+        return True, f"Triton {triton.__version__} interpreter on the CPU (TRITON_INTERPRET=1; slow, for learning and tests)"
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU and TRITON_INTERPRET is not 1: set TRITON_INTERPRET=1 before importing mpgpt"
+    name = torch.cuda.get_device_name()
+    cc = torch.cuda.get_device_capability()
+    if cc < (8, 0):
+        return False, (
+            f"{name} is sm_{cc[0]}{cc[1]}: bf16 Triton kernels need compute capability >= 8.0 "
+            "(A100/L4/H100); fp16 inputs are attempted there, untested"
+        )
+    return True, f"Triton {triton.__version__} compiled for {name} (sm_{cc[0]}{cc[1]})"
+
+
+def check_device(t: torch.Tensor) -> None:
+    """Raise a one-line RuntimeError if the kernels cannot run on `t`'s device in `t`'s dtype."""
+    if TRITON_IMPORT_ERROR is not None:
+        raise RuntimeError(TRITON_IMPORT_ERROR)
+    if interpreting():
+        return  # the interpreter runs on CPU tensors (and copies CUDA tensors to the host)
+    if t.device.type != "cuda":
+        raise RuntimeError(
+            f"Triton kernels run on CUDA tensors (got a {t.device.type} tensor); move it with "
+            ".cuda(), or set TRITON_INTERPRET=1 before importing mpgpt to use the CPU interpreter"
+        )
+    cc = torch.cuda.get_device_capability(t.device)
+    if cc >= (8, 0):
+        return
+    name = torch.cuda.get_device_name(t.device)
+    if t.dtype == torch.bfloat16:
+        raise RuntimeError(
+            f"bf16 Triton kernels need compute capability >= 8.0 (sm_80, e.g. A100/L4/H100); "
+            f"{name} is sm_{cc[0]}{cc[1]}. Use fp16 inputs (torch.autocast(..., dtype=torch.float16) "
+            "with a loss scaler) or torch.nn.Linear"
+        )
+    if cc < (7, 0):
+        raise RuntimeError(
+            f"Triton's matrix instructions need compute capability >= 7.0; {name} is "
+            f"sm_{cc[0]}{cc[1]}. Use torch.nn.Linear"
+        )

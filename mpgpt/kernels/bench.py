@@ -1,0 +1,232 @@
+"""Benchmark the Triton kernels against cuBLAS (chapter 6).
+
+    python -m mpgpt.bench kernels            # or: python -m mpgpt.kernels.bench
+    python -m mpgpt.kernels.bench --out-dir /tmp/results --kernels grouped,tma
+
+Three measurements, all bf16 on random inputs (never zeros: they run faster than real data),
+each the median of `triton.testing.do_bench` (CUDA events; do_bench also clears the L2 cache
+between runs so we do not time the cache):
+
+1. matmul TFLOP/s (2*M*N*K / time) of `mpgpt.kernels.matmul` against `torch.matmul` (cuBLAS) at
+   the GPT-2-small shapes, M = 12*1024 tokens with (K, N) in (768, 2304) c_attn, (768, 768)
+   attn.c_proj, (768, 3072) c_fc, (3072, 768) mlp.c_proj, (768, 50304) lm_head, and 4096^3,
+   8192^3. B is read as w.t() of a (N, K) weight, as nn.Linear stores it.
+2. the fused linear + bias + GELU(tanh) against torch's F.linear (bias fused by cuBLAS) followed
+   by F.gelu, at 12288 x 768 -> 3072 (GPT-2's c_fc).
+3. TritonLinear forward + backward against nn.Linear (+ nn.GELU), under bf16 autocast with fp32
+   parameters, as in training.
+
+Prints a table and writes benchmarks/results/kernels_<gpu>_<date>.json with the GPU, driver,
+CUDA, torch and triton versions, the date and the exact command.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+GPT2_SHAPES = [  # (label, M, N, K)
+    ("c_attn", 12288, 2304, 768),
+    ("attn.c_proj", 12288, 768, 768),
+    ("c_fc", 12288, 3072, 768),
+    ("mlp.c_proj", 12288, 768, 3072),
+    ("lm_head", 12288, 50304, 768),
+]
+SQUARE_SHAPES = [("4096^3", 4096, 4096, 4096), ("8192^3", 8192, 8192, 8192)]
+LINEAR_SHAPES = [  # (label, in, out, activation)
+    ("c_attn", 768, 2304, None),
+    ("attn.c_proj", 768, 768, None),
+    ("c_fc+gelu", 768, 3072, "gelu"),
+    ("mlp.c_proj", 3072, 768, None),
+]
+
+
+def environment(argv) -> dict:
+    """GPU, driver, CUDA, torch, triton versions, date and command for the result file."""
+    import triton
+
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
+    except Exception as exc:  # no nvidia-smi: record why
+        driver = f"unknown ({exc.__class__.__name__})"
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m mpgpt.kernels.bench " + " ".join(shlex.quote(a) for a in argv),
+        "gpu": torch.cuda.get_device_name(0),
+        "compute_capability": list(torch.cuda.get_device_capability(0)),
+        "multiprocessors": props.multi_processor_count,
+        "driver": driver,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _median_ms(fn, grad_to_none=None):
+    from triton.testing import do_bench
+
+    fn()  # first call compiles and autotunes: keep it out of do_bench's estimate
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=50, rep=300, grad_to_none=grad_to_none, return_mode="median")
+
+
+def _tuning(kernel: str) -> dict:
+    """The config the autotuner chose for the last call, and every config's time (ms)."""
+    import importlib
+
+    mm = importlib.import_module(__package__ + ".matmul")  # the module; the package re-exports the function
+    tuner = mm._matmul_tma if kernel == "tma" else mm._matmul_grouped
+    out = {"best_config": str(getattr(tuner, "best_config", None))}
+    timings = getattr(tuner, "configs_timings", None)
+    if timings:
+        out["config_ms"] = {str(c): (t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
+    return out
+
+
+def bench_matmul(kernels, shapes):
+    from .matmul import matmul
+
+    rows = []
+    for label, M, N, K in shapes:
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        b = w.t()  # (K, N) view of nn.Linear's layout
+        flops = 2.0 * M * N * K
+        ms_cublas = _median_ms(lambda: torch.matmul(a, b))
+        row = {"shape": label, "M": M, "N": N, "K": K, "cublas_ms": ms_cublas,
+               "cublas_tflops": flops / ms_cublas * 1e-9}
+        ref = torch.matmul(a, b).float()
+        for kern in kernels:
+            out = matmul(a, b, kernel=kern)
+            err = ((out.float() - ref).norm() / ref.norm()).item()  # vs cuBLAS: both bf16-rounded
+            ms = _median_ms(lambda: matmul(a, b, kernel=kern))
+            row[kern] = {"ms": ms, "tflops": flops / ms * 1e-9, "vs_cublas": ms_cublas / ms,
+                         "rel_diff_vs_cublas": err, **_tuning(kern)}
+        rows.append(row)
+        _print_row(row, kernels)
+        del a, w, b, ref
+    return rows
+
+
+def _print_row(row, kernels):
+    parts = [f"{row['shape']:>12} {row['M']:>6}x{row['N']:<6}x{row['K']:<5}",
+             f"cuBLAS {row['cublas_tflops']:6.1f} TF/s"]
+    for k in kernels:
+        r = row[k]
+        parts.append(f"{k} {r['tflops']:6.1f} TF/s ({r['vs_cublas']:.2f}x)")
+    print(" | ".join(parts), flush=True)
+
+
+def bench_fused(kernels, M=12288, K=768, N=3072):
+    from .matmul import matmul
+
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    res = {"M": M, "N": N, "K": K,
+           "torch_linear_bias_ms": _median_ms(lambda: F.linear(x, w, bias)),
+           "torch_linear_bias_gelu_ms": _median_ms(lambda: F.gelu(F.linear(x, w, bias), approximate="tanh"))}
+    ref = F.gelu(F.linear(x, w, bias).float(), approximate="tanh")
+    for kern in kernels:
+        out = matmul(x, w.t(), bias, "gelu", kernel=kern)
+        ms = _median_ms(lambda: matmul(x, w.t(), bias, "gelu", kernel=kern))
+        res[kern] = {"ms": ms, "speedup_vs_torch_unfused": res["torch_linear_bias_gelu_ms"] / ms,
+                     "rel_diff": ((out.float() - ref).norm() / ref.norm()).item(), **_tuning(kern)}
+    line = (f"fused bias+GELU {M}x{K}->{N}: torch linear+bias {res['torch_linear_bias_ms']*1e3:.0f} us, "
+            f"+gelu {res['torch_linear_bias_gelu_ms']*1e3:.0f} us")
+    for kern in kernels:
+        line += f" | {kern} {res[kern]['ms']*1e3:.0f} us ({res[kern]['speedup_vs_torch_unfused']:.2f}x)"
+    print(line, flush=True)
+    return res
+
+
+def bench_linear(M=12288):
+    from .linear import TritonLinear
+
+    rows = []
+    for label, fin, fout, act in LINEAR_SHAPES:
+        lin = nn.Linear(fin, fout, device="cuda")
+        ref_layer = nn.Sequential(lin, nn.GELU(approximate="tanh")) if act else lin
+        tri_layer = TritonLinear.from_linear(lin, activation=act)
+        x = torch.randn(M, fin, device="cuda", requires_grad=True)
+        g = torch.randn(M, fout, device="cuda", dtype=torch.bfloat16)
+
+        def step(layer):
+            def fn():
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    y = layer(x)
+                y.backward(g)
+            return fn
+
+        params = [x, lin.weight, lin.bias]
+        ms_ref = _median_ms(step(ref_layer), grad_to_none=params)
+        ms_tri = _median_ms(step(tri_layer), grad_to_none=params)
+        flops = 3 * 2.0 * M * fin * fout  # forward + two backward GEMMs
+        row = {"layer": label, "M": M, "in": fin, "out": fout, "activation": act,
+               "nn_linear_ms": ms_ref, "triton_linear_ms": ms_tri, "speedup": ms_ref / ms_tri,
+               "nn_linear_tflops": flops / ms_ref * 1e-9, "triton_linear_tflops": flops / ms_tri * 1e-9}
+        rows.append(row)
+        print(f"fwd+bwd {label:>12} ({M}x{fin}->{fout}): nn.Linear {ms_ref*1e3:7.0f} us | "
+              f"TritonLinear {ms_tri*1e3:7.0f} us ({row['speedup']:.2f}x)", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m mpgpt.bench kernels", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="where the JSON result goes")
+    parser.add_argument("--kernels", default="grouped,tma,auto",
+                        help="comma-separated: grouped, tma (Hopper only), auto")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: matmul, fused, triton (TritonLinear fwd+bwd)")
+    args = parser.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("The kernel benchmark needs a CUDA GPU (compute capability >= 8.0); recorded results are "
+              f"in {RESULTS_DIR}.")
+        return 1
+    if torch.cuda.get_device_capability() < (8, 0):
+        print(f"{torch.cuda.get_device_name()} is below compute capability 8.0: bf16 Triton does not compile there.")
+        return 1
+    kernels = [k for k in args.kernels.split(",") if k]
+    if torch.cuda.get_device_capability() < (9, 0):
+        kernels = [k for k in kernels if k != "tma"]
+    skip = set(filter(None, args.skip.split(",")))
+
+    env = environment(argv)
+    print(f"{env['gpu']} | driver {env['driver']} | CUDA {env['cuda']} | torch {env['torch']} | "
+          f"triton {env['triton']}", flush=True)
+    result = {"environment": env, "kernels": kernels}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^a-z0-9]+", "-", env["gpu"].lower()).strip("-")
+    path = args.out_dir / f"kernels_{slug}_{env['date'][:10]}.json"
+    parts = [("matmul", lambda: bench_matmul(kernels, GPT2_SHAPES + SQUARE_SHAPES)),
+             ("fused_bias_gelu", lambda: bench_fused(kernels)),
+             ("triton_linear_fwd_bwd", bench_linear)]
+    for name, run in parts:
+        if name.split("_")[0] in skip or name in skip:
+            continue
+        t0 = time.perf_counter()
+        result[name] = run()
+        result.setdefault("wall_s", {})[name] = round(time.perf_counter() - t0, 1)
+        path.write_text(json.dumps(result, indent=1) + "\n")  # after each part: a timeout keeps the rest
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,358 @@
+"""Tests for mpgpt/kernels (chapter 6): the Triton matmul and TritonLinear.
+
+On a CPU these run through Triton's interpreter (small shapes: it executes one program at a
+time in numpy). Tests marked sm80 run compiled on a GPU with compute capability >= 8.0.
+
+What "correct" means here. The reference is float64 on the *same* bf16/fp16 inputs, so the only
+differences are the kernel's own roundings: fp32 accumulation (relative error ~ sqrt(K) * 2^-24,
+negligible) and one rounding of the result to the output dtype, a relative error of at most
+2^-8 = 3.9e-3 per element for bf16 (8 significant bits) and 2^-11 = 4.9e-4 for fp16, about
+half that as a norm over many elements. So ||out - ref|| / ||ref|| must stay below 1e-2 for bf16
+and 2e-3 for fp16: loose enough for any correct kernel, orders of magnitude below what a wrong
+index, a missed K-tile or an unwritten tile gives (~1). NaN never passes.
+"""
+import importlib
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpgpt import kernels
+from mpgpt.kernels import TritonLinear, gelu_tanh_grad, matmul
+from mpgpt.kernels import _env
+
+mm = importlib.import_module("mpgpt.kernels.matmul")  # the module (the package re-exports the function)
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(out, ref):
+    """||out - ref|| / ||ref|| in float64 (inf if out has a NaN)."""
+    out = out.double()
+    if not torch.isfinite(out).all():
+        return math.inf
+    denom = ref.norm().item()
+    return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def reference(a, b, bias=None, activation=None):
+    """act(a @ b + bias) in float64 on the same (already rounded) inputs."""
+    z = a.double() @ b.double()
+    if bias is not None:
+        z = z + bias.double()
+    if activation == "gelu":
+        return F.gelu(z, approximate="tanh")
+    if activation == "relu":
+        return F.relu(z)
+    return z
+
+
+def rand(*shape, dtype=torch.bfloat16, device=DEVICE):
+    return torch.randn(*shape, device=device).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# forward, on the interpreter (CPU) or whatever device is present
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,N,K", [(1, 1, 1), (17, 33, 64), (64, 17, 33), (33, 64, 1)])
+@pytest.mark.parametrize("use_bias,activation", [(False, None), (True, "gelu"), (True, "relu")])
+def test_matmul_matches_float64(dtype, M, N, K, use_bias, activation):
+    a, b = rand(M, K, dtype=dtype), rand(K, N, dtype=dtype)
+    bias = rand(N, dtype=dtype) if use_bias else None
+    out = matmul(a, b, bias, activation)
+    assert out.shape == (M, N) and out.dtype == dtype
+    assert rel_err(out, reference(a, b, bias, activation)) < TOL[dtype]
+
+
+def test_poisoned_output_is_fully_written():
+    """Fill `out` with NaN first: a tile the kernel forgets to write stays NaN and fails."""
+    M, N, K = 65, 70, 40  # three tiles along M and N with the interpreter's 32x32 tiles
+    a, b, bias = rand(M, K), rand(K, N), rand(N)
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    got = matmul(a, b, bias, "gelu", out=out)
+    assert got is out
+    assert not torch.isnan(out).any()
+    assert rel_err(out, reference(a, b, bias, "gelu")) < TOL[torch.bfloat16]
+
+
+def test_strided_and_transposed_operands():
+    """Transposed views and column slices are read through their strides."""
+    M, N, K = 33, 40, 48
+    a_t = rand(K, M).t()                    # (M, K), column-major
+    b_t = rand(N, K).t()                    # (K, N) = nn.Linear weight transposed
+    a_sl = rand(M, 2 * K)[:, ::2]           # every other column: stride 2 along K
+    out_t = torch.full((N, M), float("nan"), dtype=torch.bfloat16, device=DEVICE).t()  # strided out
+    for a in (a_t, a_sl):
+        for b in (b_t, rand(K, N)):
+            assert rel_err(matmul(a, b), reference(a, b)) < TOL[torch.bfloat16]
+    matmul(a_t, b_t, out=out_t)
+    assert rel_err(out_t, reference(a_t, b_t)) < TOL[torch.bfloat16]
+
+
+def test_batch_dimensions_are_flattened():
+    a = rand(2, 3, 5, 24)
+    b, bias = rand(24, 20), rand(20)
+    out = matmul(a, b, bias, "relu")
+    assert out.shape == (2, 3, 5, 20)
+    assert rel_err(out, reference(a, b, bias, "relu")) < TOL[torch.bfloat16]
+    a_nc = rand(5, 3, 24).transpose(0, 1)  # batch dims that cannot be merged in place
+    assert rel_err(matmul(a_nc, b), reference(a_nc, b)) < TOL[torch.bfloat16]
+    v = rand(24)  # a single vector: (K,) @ (K, N) -> (N,)
+    assert matmul(v, b).shape == (20,)
+
+
+def test_fp32_output_buffer():
+    """out may be fp32: the accumulator is stored without rounding to bf16 (used for dW)."""
+    a, b = rand(20, 36), rand(36, 24)
+    out = torch.empty(20, 24, dtype=torch.float32, device=DEVICE)
+    matmul(a, b, out=out)
+    assert rel_err(out, reference(a, b)) < 1e-5  # fp32 accumulation only
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: matmul(torch.randn(4, 4), torch.randn(4, 4)), TypeError, "bfloat16 or float16"),
+    (lambda: matmul(rand(4, 4), rand(4, 4, dtype=torch.float16)), TypeError, "same dtype"),
+    (lambda: matmul(rand(4, 4), rand(4)), ValueError, "must be 2-D"),
+    (lambda: matmul(rand(4, 4), rand(2, 4, 4)), ValueError, "must be 2-D"),
+    (lambda: matmul(rand(4, 5), rand(4, 3)), ValueError, "inner dimensions"),
+    (lambda: matmul(rand(4, 4), rand(4, 3), bias=rand(4)), ValueError, "length N=3"),
+    (lambda: matmul(rand(4, 4), rand(4, 3), bias=rand(3, dtype=torch.float16)), TypeError, "bias must be"),
+    (lambda: matmul(rand(4, 4), rand(4, 3), activation="swish"), ValueError, "tanh approximation"),
+    (lambda: matmul(rand(4, 4), rand(4, 3), out=rand(4, 4)), ValueError, "out has shape"),
+    (lambda: TritonLinear(4, 3, activation="gelu_exact"), ValueError, "activation"),
+    (lambda: TritonLinear.from_linear(nn.Conv1d(1, 1, 1)), TypeError, "nn.Linear"),
+])
+def test_clear_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_error_without_triton(monkeypatch):
+    monkeypatch.setattr(mm, "TRITON_IMPORT_ERROR", "Triton is not installed (ImportError); it supports Linux only.")
+    with pytest.raises(RuntimeError, match="Linux only"):
+        matmul(rand(4, 4), rand(4, 4))
+
+
+def test_error_on_old_gpu_names_it(monkeypatch):
+    """bf16 on a T4 (sm_75) gives one line naming the GPU and the way out; fp16 is let through."""
+    monkeypatch.setattr(_env, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    fake = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"Tesla T4 is sm_75.*fp16"):
+        _env.check_device(fake)
+    _env.check_device(SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float16))
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA tensors"):
+            _env.check_device(torch.zeros(1, dtype=torch.bfloat16))
+
+
+def test_kernels_available_reports_a_reason():
+    ok, why = kernels.kernels_available()
+    assert ok and isinstance(why, str) and why
+    if not torch.cuda.is_available():
+        assert kernels.interpreting() and "interpreter" in why
+
+
+# ------------------------------------------------------------------------------------------------
+# TritonLinear
+# ------------------------------------------------------------------------------------------------
+def test_gelu_tanh_grad_matches_autograd():
+    z = torch.randn(1000, dtype=torch.float64) * 4
+    z.requires_grad_(True)
+    F.gelu(z, approximate="tanh").sum().backward()
+    assert torch.allclose(gelu_tanh_grad(z.detach()).double(), z.grad, rtol=1e-5, atol=1e-6)
+
+
+def linear_reference(x, weight, bias, activation, grad, dtype):
+    """Float64 forward and backward on the dtype-rounded inputs (what the kernel sees)."""
+    leaves = [t.detach().to(dtype).double().requires_grad_(True) for t in (x, weight, bias)]
+    xd, wd, bd = leaves
+    y = reference(xd, wd.t(), bd, activation)
+    y.backward(grad.double())
+    return y.detach(), [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("activation", [None, "gelu", "relu"])
+def test_triton_linear_autocast_forward_and_backward(activation):
+    """Under autocast, fp32 master weights: bf16 output, fp32 gradients, close to float64."""
+    lin = nn.Linear(40, 36).to(DEVICE)
+    layer = TritonLinear.from_linear(lin, activation=activation)
+    x = torch.randn(3, 11, 40, device=DEVICE, requires_grad=True)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y = layer(x)
+    grad = torch.randn(y.shape, device=DEVICE).to(torch.bfloat16)
+    y.backward(grad)
+    assert y.dtype == torch.bfloat16 and y.shape == (3, 11, 36)
+    assert x.grad.dtype == lin.weight.grad.dtype == lin.bias.grad.dtype == torch.float32
+    y_ref, (dx, dw, db) = linear_reference(x, lin.weight, lin.bias, activation, grad, torch.bfloat16)
+    assert rel_err(y, y_ref) < 1e-2
+    assert rel_err(x.grad, dx) < 1e-2  # bf16 dX (like autocast's nn.Linear), then upcast
+    # dW is written in fp32 straight from the fp32 accumulator; the residual is dZ's bf16
+    # rounding (GELU/ReLU case) and the reference's: well under 1e-2.
+    assert rel_err(lin.weight.grad, dw) < 1e-2
+    assert rel_err(lin.bias.grad, db) < 1e-2
+
+
+def test_triton_linear_bf16_parameters_without_autocast():
+    layer = TritonLinear(24, 20, activation="gelu").to(DEVICE, torch.bfloat16)
+    x = rand(7, 24).requires_grad_(True)
+    y = layer(x)
+    grad = rand(7, 20)
+    y.backward(grad)
+    assert layer.weight.grad.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+    y_ref, (dx, dw, db) = linear_reference(x, layer.weight, layer.bias, "gelu", grad, torch.bfloat16)
+    for got, ref in ((y, y_ref), (x.grad, dx), (layer.weight.grad, dw), (layer.bias.grad, db)):
+        assert rel_err(got, ref) < 1e-2
+
+
+def test_triton_linear_fp32_without_autocast_is_nn_linear():
+    """An fp32 model outside autocast computes exactly what nn.Linear + GELU computes."""
+    lin = nn.Linear(16, 12).to(DEVICE)
+    layer = TritonLinear.from_linear(lin, activation="gelu")
+    x = torch.randn(5, 16, device=DEVICE)
+    assert torch.equal(layer(x), F.gelu(lin(x), approximate="tanh"))
+
+
+def test_gradients_scale_linearly_for_loss_scaling():
+    """Loss scaling multiplies every gradient by the (power-of-two) scale, exactly."""
+    lin = nn.Linear(16, 16).to(DEVICE)
+    layer = TritonLinear.from_linear(lin, activation="relu")
+    x = torch.randn(9, 16, device=DEVICE)
+    grads = []
+    for scale in (1.0, 1024.0):
+        lin.zero_grad()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = layer(x).float().pow(2).mean()
+        (loss * scale).backward()
+        grads.append(lin.weight.grad.clone())
+    assert torch.equal(grads[1], grads[0] * 1024.0)
+
+
+def test_state_dict_and_shared_parameters_match_nn_linear():
+    lin = nn.Linear(10, 6)
+    layer = TritonLinear.from_linear(lin, activation="gelu")
+    assert layer.weight is lin.weight and layer.bias is lin.bias
+    assert list(layer.state_dict()) == list(lin.state_dict()) == ["weight", "bias"]
+    back = layer.to_linear()
+    assert isinstance(back, nn.Linear) and back.weight is lin.weight and back.bias is lin.bias
+    fresh = TritonLinear(10, 6)
+    fresh.load_state_dict(lin.state_dict())  # loads without key or shape errors
+    assert torch.equal(fresh.weight, lin.weight)
+    assert fresh.weight.shape == (6, 10)
+    no_bias = TritonLinear.from_linear(nn.Linear(4, 3, bias=False))
+    assert no_bias.bias is None and list(no_bias.state_dict()) == ["weight"]
+    assert no_bias.to_linear().bias is None
+
+
+def test_init_matches_nn_linear_distribution():
+    torch.manual_seed(1234)
+    ref = nn.Linear(64, 32)
+    torch.manual_seed(1234)
+    ours = TritonLinear(64, 32)
+    assert torch.equal(ours.weight, ref.weight) and torch.equal(ours.bias, ref.bias)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU (compiled) tests: run on the H200 before GPU work is resolved
+# ------------------------------------------------------------------------------------------------
+def _gpu_kernels():
+    names = ["grouped"]
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
+        names.append("tma")
+    return names
+
+
+@pytest.mark.sm80
+@pytest.mark.parametrize("M,N,K", [(1, 768, 768), (77, 3072, 768), (1000, 1000, 1000), (513, 50304, 768)])
+def test_gpu_matmul_large_shapes(M, N, K):
+    for kernel in _gpu_kernels():
+        for use_bias, act in ((False, None), (True, "gelu"), (True, "relu")):
+            a, w = rand(M, K), rand(N, K)  # fresh inputs for every variant
+            bias = rand(N) if use_bias else None
+            out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+            kern = kernel if (kernel != "tma" or min(M, N, K) >= 16) else "grouped"
+            matmul(a, w.t(), bias, act, out=out, kernel=kern)
+            torch.cuda.synchronize()
+            err = rel_err(out, reference(a, w.t(), bias, act))
+            assert err < 1e-2, (kernel, M, N, K, act, err)
+
+
+@pytest.mark.sm80
+def test_gpu_matmul_transposed_and_fp16():
+    for kernel in _gpu_kernels():
+        for dtype in (torch.bfloat16, torch.float16):
+            a = rand(1024, 3000, dtype=dtype).t()  # (3000, 1024), column-major, like dY^T
+            b = rand(1024, 520, dtype=dtype)
+            out = torch.full((3000, 520), float("nan"), dtype=torch.float32, device="cuda")
+            matmul(a, b, out=out, kernel=kernel)
+            assert rel_err(out, reference(a, b)) < 1e-5, (kernel, dtype)  # fp32 out: accumulation only
+            got = matmul(a, b, kernel=kernel)
+            assert rel_err(got, reference(a, b)) < TOL[dtype], (kernel, dtype)
+
+
+@pytest.mark.sm80
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_gpu_triton_linear_backward(activation):
+    lin = nn.Linear(768, 3072, device="cuda")
+    layer = TritonLinear.from_linear(lin, activation=activation)
+    x = torch.randn(8, 512, 768, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x)
+    grad = torch.randn(y.shape, device="cuda").to(torch.bfloat16)
+    y.backward(grad)
+    y_ref, (dx, dw, db) = linear_reference(x, lin.weight, lin.bias, activation, grad, torch.bfloat16)
+    assert rel_err(y, y_ref) < 1e-2
+    assert rel_err(x.grad, dx) < 1e-2
+    assert rel_err(lin.weight.grad, dw) < 1e-2
+    assert rel_err(lin.bias.grad, db) < 1e-2
+
+
+@pytest.mark.sm80
+def test_gpu_tiny_gpt_trains_like_nn_linear():
+    """The tiny GPT trained with TritonLinear tracks the nn.Linear run (same init, same batches,
+    both under bf16 autocast). The two runs differ only in rounding order (fused vs separate
+    GELU, fp32 vs bf16 dW), so their losses drift apart slowly; we require every 10-step mean
+    loss to agree within 0.05 nats and the final loss to drop well below the initial ln(V)."""
+    from mpgpt.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    vocab = 64
+    cfg = GPTConfig.preset("tiny", vocab_size=vocab)
+    # Learnable data: each sequence counts up by a random stride modulo the vocabulary.
+    n, T = 4096, cfg.block_size + 1
+    start = torch.randint(0, vocab, (n, 1))
+    stride = torch.randint(1, 8, (n, 1))
+    data = ((start + stride * torch.arange(T)) % vocab).cuda()
+
+    def run(use_triton):
+        torch.manual_seed(1)
+        model = GPT(cfg).cuda()
+        if use_triton:
+            model.use_triton(True)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        g = torch.Generator().manual_seed(2)
+        losses = []
+        for _ in range(150):
+            idx = torch.randint(0, n, (32,), generator=g).cuda()
+            xb, yb = data[idx, :-1], data[idx, 1:]
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                _, loss = model(xb, yb)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return torch.tensor(losses)
+
+    ref, tri = run(False), run(True)
+    ref_m, tri_m = ref.view(-1, 10).mean(1), tri.view(-1, 10).mean(1)
+    gap = (ref_m - tri_m).abs().max().item()
+    print(f"tiny GPT: first {ref[0]:.3f}/{tri[0]:.3f} last10 {ref_m[-1]:.4f}/{tri_m[-1]:.4f} max gap {gap:.4f}")
+    assert torch.isfinite(tri).all()
+    assert gap < 0.05, gap
+    assert tri_m[-1] < 0.5 * math.log(vocab)
