@@ -1,0 +1,305 @@
+"""The course book: it builds with warnings as errors, the student edition hides the solutions,
+and the rendered HTML works in a real headless browser (Debian's chromium driven by Playwright).
+
+The browser check serves the built HTML on 127.0.0.1 and blocks every other address, as CI has
+no network: each page in _toc.yml must load (HTTP 200, no JavaScript errors, no failed request),
+show its title as the h1, load every image, typeset every piece of math with the local MathJax
+copy (sphinx-mathjax-offline, see _config.yml), point its Colab links at its own notebook, and
+link only to files and anchors that exist.
+
+Needs chromium (`apt-get install -y chromium`) and the playwright Python package (its own browser
+downloads are not used). Without them the browser test fails when CI=true and skips otherwise.
+"""
+import functools
+import http.server
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import urllib.parse
+from pathlib import Path
+
+import pytest
+import yaml
+from bs4 import BeautifulSoup
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import build_book  # noqa: E402
+
+CHROMIUM = os.environ.get("MPGPT_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+MATHJAX_TIMEOUT_MS = 20_000  # typesetting a page takes well under 2 s here
+
+
+def toc_docnames(toc_path: Path = ROOT / "_toc.yml") -> list[str]:
+    """Every document named in _toc.yml (root first), without extension."""
+    toc = yaml.safe_load(toc_path.read_text(encoding="utf-8"))
+    names = [toc["root"]]
+
+    def walk(entries):
+        for entry in entries or []:
+            if "file" in entry:
+                names.append(entry["file"])
+            for key in ("chapters", "sections", "parts"):
+                walk(entry.get(key))
+
+    walk(toc.get("parts"))
+    walk(toc.get("chapters"))
+    return [str(Path(n).with_suffix("")) if n.endswith((".md", ".ipynb")) else n for n in names]
+
+
+def source_of(docname: str) -> Path:
+    for suffix in (".md", ".ipynb"):
+        if (ROOT / f"{docname}{suffix}").exists():
+            return ROOT / f"{docname}{suffix}"
+    raise FileNotFoundError(f"_toc.yml names {docname}, but neither {docname}.md nor .ipynb exists")
+
+
+def source_title(docname: str) -> str:
+    """The text of the first `# ` heading of a page's source (what its h1 must say)."""
+    path = source_of(docname)
+    if path.suffix == ".ipynb":
+        import nbformat
+        text = nbformat.read(path, as_version=4).cells[0].source
+    else:
+        text = path.read_text(encoding="utf-8")
+    for line in text.splitlines():
+        if line.startswith("# "):
+            return line[2:].strip()
+    raise AssertionError(f"{path} has no `# Title` line")
+
+
+def repository() -> dict:
+    return yaml.safe_load((ROOT / "_config.yml").read_text(encoding="utf-8"))["repository"]
+
+
+def _run_build(out: Path, student: bool) -> Path:
+    try:
+        return build_book.build(student=student, path_output=out, fresh=True,
+                                extra=["-q"])  # -q: warnings and errors only
+    except subprocess.CalledProcessError as exc:
+        raise AssertionError(f"{'student ' if student else ''}book build failed (exit {exc.returncode}) with "
+                    f"warnings as errors; run `python scripts/build_book.py{' --student' if student else ''}` "
+                    "to see them")
+
+
+@pytest.fixture(scope="session")
+def builds(tmp_path_factory) -> dict:
+    """Both editions, built side by side (two cores), each with warnings as errors."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {kind: pool.submit(_run_build, tmp_path_factory.mktemp(kind), kind == "student")
+                   for kind in ("book", "student")}
+        return {kind: future.result() for kind, future in futures.items()}
+
+
+@pytest.fixture(scope="session")
+def book_html(builds) -> Path:
+    return builds["book"]
+
+
+@pytest.fixture(scope="session")
+def student_html(builds) -> Path:
+    return builds["student"]
+
+
+def html_path(html_root: Path, docname: str) -> Path:
+    return html_root / f"{docname}.html"
+
+
+# --- (a) the build --------------------------------------------------------------------------
+
+def test_book_builds_with_warnings_as_errors(book_html):
+    for docname in toc_docnames():
+        assert html_path(book_html, docname).is_file(), f"{docname} is in _toc.yml but was not rendered"
+    # MathJax is served from the book itself, never from a CDN.
+    assert (book_html / "_static" / "mathjax" / "tex-chtml.js").is_file()
+    intro = html_path(book_html, "book/intro").read_text(encoding="utf-8")
+    assert 'src="../_static/mathjax/tex-chtml.js"' in intro
+    assert "cdn.jsdelivr.net" not in intro
+
+
+# --- (b) the student edition ----------------------------------------------------------------
+
+def _blocks(path: Path, kind: str) -> list[str]:
+    """The body text (title removed) of each sphinx-exercise block of one kind on a page."""
+    soup = BeautifulSoup(path.read_text(encoding="utf-8"), "html.parser")
+    blocks = []
+    for div in soup.select(f"div.{kind}.admonition"):
+        for title in div.select(".admonition-title"):
+            title.decompose()
+        blocks.append(" ".join(div.get_text(" ").split()))
+    return blocks
+
+
+def test_student_edition_hides_solutions_and_keeps_exercises(book_html, student_html):
+    notebooks = [d for d in toc_docnames() if d.startswith("notebooks/")]
+    n_solutions = 0
+    for docname in notebooks:
+        normal, student = html_path(book_html, docname), html_path(student_html, docname)
+        exercises, solutions = _blocks(normal, "exercise"), _blocks(normal, "solution")
+        assert 2 <= len(exercises) <= 4, f"{docname}: {len(exercises)} exercises rendered"
+        assert len(solutions) == len(exercises), f"{docname}: {len(solutions)} solutions for {len(exercises)} exercises"
+        assert _blocks(student, "exercise") == exercises, f"{docname}: the student edition lost exercises"
+        assert _blocks(student, "solution") == [], f"{docname}: the student edition shows solutions"
+        student_text = " ".join(BeautifulSoup(student.read_text(encoding="utf-8"), "html.parser").get_text(" ").split())
+        for body in solutions:
+            assert body, f"{docname}: an empty solution"
+            assert body not in student_text, f"{docname}: solution text leaks into the student edition: {body[:80]!r}"
+            n_solutions += 1
+    assert n_solutions > 0
+
+
+# --- (c) the browser check ------------------------------------------------------------------
+
+def _need(condition: bool, reason: str):
+    if not condition:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason} (required in CI: .ci/run installs it)")
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def browser():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _need(False, "the playwright Python package is missing: pip install playwright")
+    _need(Path(CHROMIUM).exists() or shutil.which(CHROMIUM) is not None,
+          f"chromium not found at {CHROMIUM}: apt-get install -y chromium")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="session")
+def served_book(book_html):
+    """Serve the built HTML on 127.0.0.1 (a free port) for the session; yield the base URL."""
+    handler = functools.partial(_QuietHandler, directory=str(book_html))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+    server.server_close()
+
+
+@functools.lru_cache(maxsize=None)
+def _anchors(path: Path) -> frozenset:
+    soup = BeautifulSoup(path.read_text(encoding="utf-8"), "html.parser")
+    ids = {tag["id"] for tag in soup.find_all(id=True)}
+    ids |= {tag["name"] for tag in soup.find_all("a", attrs={"name": True})}
+    return frozenset(ids)
+
+
+def _broken_link(href: str, base: str, html_root: Path) -> str | None:
+    """Why a same-origin link is broken, or None when it resolves to a file (and anchor)."""
+    url = urllib.parse.urlsplit(href)
+    rel = urllib.parse.unquote(url.path)[len(urllib.parse.urlsplit(base).path):]
+    target = html_root / rel
+    if rel == "" or rel.endswith("/"):
+        target = target / "index.html"
+    if not target.is_file():
+        return f"{href}: no such file"
+    fragment = urllib.parse.unquote(url.fragment)
+    if fragment and target.suffix == ".html" and fragment not in _anchors(target):
+        return f"{href}: no element with id {fragment!r}"
+    return None
+
+
+@pytest.mark.parametrize("docname", toc_docnames())
+def test_page_in_browser(docname, browser, served_book, book_html):
+    base = served_book
+    origin = base.rstrip("/")
+    problems = []
+    page = browser.new_page()
+    # No network in CI: allow the local server only, and record anything else the page asks for.
+    external = []
+
+    def route(r):
+        if r.request.url.startswith(origin):
+            r.continue_()
+        else:
+            external.append(r.request.url)
+            r.abort()
+
+    page.route("**/*", route)
+    page.on("pageerror", lambda exc: problems.append(f"JavaScript error: {exc}"))
+    page.on("response", lambda resp: resp.status >= 400 and problems.append(f"HTTP {resp.status} for {resp.url}"))
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    try:
+        response = page.goto(base + f"{docname}.html", wait_until="load")
+        assert response is not None and response.status == 200, f"{docname}: HTTP {response and response.status}"
+
+        # The title: the page's h1 is the first heading of its source.
+        h1 = page.locator("main h1, article h1").first.inner_text().replace("#", "").strip()
+        assert h1 == source_title(docname), f"{docname}: h1 {h1!r} != source title {source_title(docname)!r}"
+
+        # Images: every <img> loaded with real pixels.
+        images = page.evaluate("""async () => {
+            const imgs = Array.from(document.images);
+            imgs.forEach(img => { img.loading = 'eager'; });
+            await Promise.all(imgs.map(img => img.complete ? null :
+                new Promise(done => { img.addEventListener('load', done); img.addEventListener('error', done); })));
+            return imgs.map(img => ({src: img.currentSrc || img.src, w: img.naturalWidth}));
+        }""")
+        problems += [f"image did not load: {img['src']}" for img in images if img["w"] == 0]
+
+        # Math: every math element typeset by MathJax (mjx-container inside), no TeX errors.
+        n_math = page.locator(".math").count()
+        mathjax = page.eval_on_selector_all("script[src*='mathjax' i]", "els => els.map(s => s.src)")
+        if n_math and (not mathjax or any(not src.startswith(origin) for src in mathjax)):
+            problems.append(f"the page has math but loads MathJax from {mathjax or 'nowhere'}, not from the book")
+        elif n_math:
+            try:
+                page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.promise",
+                                       timeout=MATHJAX_TIMEOUT_MS)
+                page.evaluate("() => MathJax.startup.promise")
+            except PlaywrightTimeout:
+                problems.append(f"MathJax did not start within {MATHJAX_TIMEOUT_MS} ms")
+            untypeset = page.evaluate("""() => Array.from(document.querySelectorAll('.math'))
+                .filter(el => !el.querySelector('mjx-container')).map(el => el.textContent.slice(0, 60))""")
+            problems += [f"math not rendered: {t!r}" for t in untypeset]
+            if page.locator("mjx-merror").count():
+                problems.append("MathJax reported a TeX error (mjx-merror)")
+
+        # Colab: on a notebook page every Colab link (launch button and the notebook's own link)
+        # opens this very notebook from the configured repository and branch.
+        colab = [h for h in page.eval_on_selector_all("a[href]", "els => els.map(a => a.href)")
+                 if h.startswith("https://colab.research.google.com/")]
+        if docname.startswith("notebooks/"):
+            repo = repository()
+            owner_repo = repo["url"].rstrip("/").removeprefix("https://github.com/")
+            want = (f"https://colab.research.google.com/github/{owner_repo}/blob/{repo['branch']}/"
+                    f"{docname}.ipynb")
+            assert colab, f"{docname}: no Colab launch link"
+            problems += [f"Colab link {h} should be {want}" for h in colab if h != want]
+            launch = page.locator(f'.dropdown-launch-buttons a[href="{want}"], a.btn[href="{want}"]')
+            if launch.count() == 0:
+                problems.append(f"{docname}: no Colab launch button in the page header")
+
+        # Internal links: every same-origin href names an existing file and anchor.
+        hrefs = page.eval_on_selector_all("a[href]", "els => els.map(a => a.href)")
+        for href in sorted(set(hrefs)):
+            if href.startswith(origin):
+                reason = _broken_link(href, base, book_html)
+                if reason:
+                    problems.append(f"broken internal link {reason}")
+    finally:
+        page.close()
+    # External requests were blocked; they must not be needed (nothing failed above), but list
+    # any script/style the page wanted from outside so an offline reader does not lose it.
+    problems += [f"page requested an external resource: {u}" for u in external]
+    assert not problems, f"{docname}:\n" + "\n".join(problems)
