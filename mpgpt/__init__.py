@@ -17,6 +17,15 @@ Map of the package (leaves first; each module's docstring names the chapter that
 Names are imported lazily so that `import mpgpt` stays fast and works where Triton is missing.
 """
 import importlib
+import os
+
+import torch
+
+# Triton reads TRITON_INTERPRET when it decorates a kernel, including its own library helpers
+# (tl.cdiv and friends) at `import triton`. Set it as early as possible — on `import mpgpt` — so a
+# CPU-only session runs the kernels in the interpreter even if something imports triton later on.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 __version__ = "0.1.0"
 
