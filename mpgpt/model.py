@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 __all__ = ["GPTConfig", "GPT", "PRESETS"]
 
@@ -189,6 +190,9 @@ class GPT(nn.Module):
         # token's embedding. One (vocab_size, n_embd) matrix instead of two: 38.6M fewer
         # parameters for gpt2. Both names stay in the state_dict, pointing at one tensor.
         self.lm_head.weight = self.transformer.wte.weight
+        # Off by default; see set_activation_checkpointing (a run-time switch, not part of the config,
+        # so a checkpoint written with it on resumes with it off and vice versa).
+        self.activation_checkpointing = False
 
         # GPT-2 / nanoGPT initialisation: N(0, 0.02) for weights, zeros for biases...
         self.apply(self._init_weights)
@@ -223,7 +227,11 @@ class GPT(nn.Module):
         pos_emb = self.transformer.wpe(pos)  # (T, C), broadcast over the batch
         x = self.transformer.drop(tok_emb + pos_emb)  # (B, T, C)
         for block in self.transformer.h:
-            x = block(x)  # (B, T, C)
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                # Keep only each block's input; recompute its insides during backward.
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)  # (B, T, C)
+            else:
+                x = block(x)  # (B, T, C)
         x = self.transformer.ln_f(x)  # (B, T, C)
         logits = self.lm_head(x)  # (B, T, V)
 
@@ -232,7 +240,7 @@ class GPT(nn.Module):
             if targets.shape != idx.shape:
                 raise ValueError(f"targets shape {tuple(targets.shape)} must match idx shape {tuple(idx.shape)}")
             loss = F.cross_entropy(
-                logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1
+                logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1
             )  # mean over the B*T positions
         return logits, loss
 
@@ -337,6 +345,13 @@ class GPT(nn.Module):
         fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
         extra = {"fused": True} if fused else {}
         return torch.optim.AdamW(groups, lr=lr, betas=betas, **extra)
+
+    def set_activation_checkpointing(self, enable: bool = True) -> "GPT":
+        """Trade compute for memory: store only each block's input in the forward pass and recompute
+        the block during backward (torch.utils.checkpoint, non-reentrant). Costs about one extra
+        forward pass (~+33% FLOPs); saves the activations inside every block. Returns self."""
+        self.activation_checkpointing = bool(enable)
+        return self
 
     # ------------------------------------------------------------------------------ chapter 6
 

@@ -191,6 +191,13 @@ class BaseLossScaler:
             return 1.0
         return self._init_scale if self._scale is None else self._scale.item()
 
+    def scale_tensor(self) -> torch.Tensor | float:
+        """The current scale without a sync: a copy of the device tensor (or the float before the first
+        ``scale()``). The trainer logs it every step and reads the values in batches."""
+        if not self._enabled or self._scale is None:
+            return self.get_scale()
+        return self._scale.detach().clone()
+
     def is_enabled(self) -> bool:
         return self._enabled
 
