@@ -22,7 +22,9 @@ embedded corpus with the device's default precision and prints a sample.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import random
 import sys
 import time
@@ -92,6 +94,7 @@ class TrainConfig:
     progress: bool = True
     log_interval: int = 1             # how often per-step values are brought to the host
     model_overrides: dict = field(default_factory=dict)  # e.g. {"n_layer": 2}: passed to GPTConfig
+    fsdp: bool = False                # under torchrun: FSDP2 sharding instead of DDP (mpgpt.distributed)
 
     def validate(self) -> None:
         """Raise ValueError with a one-line message for values no run can use."""
@@ -292,12 +295,13 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
-        for _ in range(cfg.grad_accum):
+        for micro in range(cfg.grad_accum):
             x, y = self.batch("train")
-            with self.policy.autocast(self.device.type):
-                _, loss = self.forward(x, y)
-            loss = loss / cfg.grad_accum
-            self.scaler.scale(loss).backward()
+            with self.micro_step_context(last=micro == cfg.grad_accum - 1):
+                with self.policy.autocast(self.device.type):
+                    _, loss = self.forward(x, y)
+                loss = loss / cfg.grad_accum
+                self.scaler.scale(loss).backward()
             loss_sum += loss.detach().float()
         if after_backward is not None:
             after_backward(self.step, model)  # test hook: e.g. inject inf into a gradient
@@ -317,6 +321,11 @@ class Trainer:
         model.zero_grad(set_to_none=True)
         self.step += 1
         return loss_sum, grad_norm, lr
+
+    def micro_step_context(self, last: bool):
+        """Wraps one micro-batch's forward and backward. A no-op here; mpgpt.distributed skips the
+        gradient all-reduce (DDP ``no_sync``) on every micro-batch but the last."""
+        return contextlib.nullcontext()
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -370,7 +379,10 @@ class Trainer:
 
     def load(self, path) -> None:
         """Continue from a checkpoint: validated in full before anything is modified."""
-        state = load_checkpoint(path)
+        self.load_state_dict(load_checkpoint(path))
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a checkpoint's contents (as read by mpgpt.checkpoint.load_checkpoint)."""
         check_compatible(state, asdict(self.model.config), self.model.state_dict())
         if state.get("scaler_type") != type(self.scaler).__name__ or state.get("precision") != self.policy.name:
             raise CheckpointError(f"checkpoint was written with precision {state.get('precision')} and "
@@ -454,10 +466,20 @@ def train(config: TrainConfig | None = None, *, model=None, dataset=None, after_
         if not hasattr(cfg, key):
             raise TypeError(f"TrainConfig has no field {key!r}")
         setattr(cfg, key, value)
-    trainer = Trainer(cfg, model=model, dataset=dataset)
+    if cfg.fsdp or launched_by_torchrun():
+        from mpgpt.distributed import DistributedTrainer  # DDP or FSDP2, one process per device (chapter 8)
+
+        trainer = DistributedTrainer(cfg, model=model, dataset=dataset)
+    else:
+        trainer = Trainer(cfg, model=model, dataset=dataset)
     if cfg.resume:
         trainer.load(cfg.resume)
     return trainer.run(after_backward=after_backward)
+
+
+def launched_by_torchrun() -> bool:
+    """True in a process started by torchrun (or mpgpt.distributed.launch) with more than one rank."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
 
 # ------------------------------------------------------------------------------------------------
@@ -496,6 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-interval", type=int, default=d.eval_interval)
     p.add_argument("--sample-tokens", type=int, default=d.sample_tokens, help="characters to sample at the end")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard with FSDP2 (bf16 params, fp32 reduce) instead of DDP")
     return p
 
 
@@ -506,7 +530,7 @@ def config_from_args(args) -> TrainConfig:
         block_size=args.block_size, grad_accum=args.grad_accum, lr=args.lr, compile=args.compile,
         device=args.device, seed=args.seed, out_dir=args.out_dir, checkpoint_interval=args.checkpoint_interval,
         resume=args.resume, eval_interval=args.eval_interval, sample_tokens=args.sample_tokens,
-        progress=not args.no_progress)
+        progress=not args.no_progress, fsdp=args.fsdp)
 
 
 def main(argv=None) -> int:
@@ -530,6 +554,8 @@ def main(argv=None) -> int:
         print(f"{parser.prog}: interrupted", file=sys.stderr)
         return 130
     elapsed = time.perf_counter() - start
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # under torchrun only rank 0 reports (every rank holds the same all-reduced numbers)
     skipped = sum(hist.skipped)
     print(f"trained {len(hist.loss)} steps in {elapsed:.1f} s on {hist.device} with {hist.precision}: "
           f"loss {hist.loss[0]:.3f} -> {hist.loss[-1]:.3f}, val {hist.val_loss[-1]:.3f}, "
