@@ -102,7 +102,8 @@ class _SyntheticTokens:
     def __init__(self, vocab_size, batch_size, block_size, device, pool=4, seed=0):
         g = torch.Generator().manual_seed(seed)
         self.tokenizer = self._Tok(vocab_size)
-        data = torch.randint(0, 50257, (pool, batch_size, block_size + 1), generator=g)
+        # GPT-2 has 50257 real tokens; the padded rows of a 50304 vocabulary are never targets.
+        data = torch.randint(0, min(vocab_size, 50257), (pool, batch_size, block_size + 1), generator=g)
         self.batches = [(d[:, :-1].to(device), d[:, 1:].to(device)) for d in data]
         self.i = 0
 
@@ -183,8 +184,22 @@ def _time_steps(trainer, warmup, steps) -> list[float]:
     return times
 
 
+def profile_steps(trainer, steps=5, row_limit=30) -> str:
+    """A torch.profiler table (sorted by device time) of a few training steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            trainer.train_step()
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if trainer.device.type == "cuda" else "cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=row_limit, max_name_column_width=60)
+
+
 def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10, steps=30,
-                checkpointing=False) -> list[dict]:
+                checkpointing=False, profile=None) -> list[dict]:
     """Measure each named configuration; return one row per configuration."""
     from mpgpt.train import peak_flops
 
@@ -208,7 +223,7 @@ def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10,
             print(f"{name:>22}: out of memory at batch {batch_size}", flush=True)
             continue
         except Exception as e:  # a configuration that cannot run here (e.g. Triton on CPU) is recorded, not fatal
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
             rows.append(row)
             print(f"{name:>22}: {row['error']}", flush=True)
             continue
@@ -227,11 +242,49 @@ def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10,
             "skipped_steps": None,
             "timed_steps": steps, "warmup_steps": warmup,
         })
+        if profile == name:
+            row["profile"] = profile_steps(trainer)
+            print(row["profile"], flush=True)
         rows.append(row)
         print(f"{name:>22}: {ms:8.2f} ms/step  {tps/1e3:8.1f}k tok/s  "
               f"MFU {row['mfu_vs_989T'] if row['mfu_vs_989T'] is not None else '-'}  "
               f"mem {row['peak_memory_gib']} GiB", flush=True)
         del trainer
+    return rows
+
+
+def real_run(name, preset="gpt2", batch_size=12, steps=150) -> dict:
+    """Train configuration ``name`` on the embedded corpus for ``steps`` steps: does the loss fall?
+
+    Throughput runs use random tokens, which teach nothing; this checks that the fastest
+    configuration is also a working trainer on real text.
+    """
+    from mpgpt.data import TextDataset, default_corpus
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    trainer = _make_trainer(name, preset, batch_size, None, device)
+    trainer.data = TextDataset(default_corpus())
+    trainer.cfg.steps = steps
+    trainer.cfg.warmup_steps = 20
+    losses = [trainer.train_step()[0] for _ in range(steps)]
+    losses = torch.stack(losses).tolist()
+    result = {"config": name, "preset": preset, "batch_size": batch_size, "steps": steps,
+              "data": "embedded corpus (mpgpt.data.default_corpus)",
+              "loss_first5_mean": sum(losses[:5]) / 5, "loss_last5_mean": sum(losses[-5:]) / 5,
+              "loss_every_10": losses[::10]}
+    print(f"real run {name}: loss {result['loss_first5_mean']:.3f} -> {result['loss_last5_mean']:.3f} "
+          f"over {steps} steps", flush=True)
+    return result
+
+
+def largest_batch(name, preset="gpt2", candidates=(16, 24, 32, 48, 64, 96), warmup=3, steps=8) -> list[dict]:
+    """Throughput of ``name`` at growing batch sizes until one runs out of memory."""
+    rows = []
+    for bs in candidates:
+        row = bench_train([name], preset, bs, None, warmup, steps)[0]
+        rows.append(row)
+        if "error" in row:
+            break
     return rows
 
 
@@ -259,6 +312,10 @@ def main(argv=None) -> int:
     t.add_argument("--warmup", type=int, default=10)
     t.add_argument("--steps", type=int, default=30)
     t.add_argument("--activation-checkpointing", action="store_true")
+    t.add_argument("--max-batch-config", default=None, help="also find the largest batch that fits for this config")
+    t.add_argument("--real-run-config", default=None, help="also train this config on the embedded corpus")
+    t.add_argument("--real-steps", type=int, default=150)
+    t.add_argument("--profile", default=None, help="also print a torch.profiler table for this config")
     t.add_argument("--out-dir", default=None, help="where the JSON goes (default benchmarks/results)")
     t.add_argument("--tag", default="train", help="file name prefix of the result file")
     k = sub.add_parser("kernels", help="Triton matmul against cuBLAS", add_help=False)
@@ -269,9 +326,15 @@ def main(argv=None) -> int:
         return kbench.main(args.rest + rest) or 0
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     rows = bench_train(names, args.preset, args.batch_size, args.block_size, args.warmup, args.steps,
-                       args.activation_checkpointing)
+                       args.activation_checkpointing, args.profile)
+    payload = {"benchmark": "train", "rows": rows}
+    if args.max_batch_config:
+        payload["largest_batch"] = largest_batch(args.max_batch_config, args.preset)
+        rows = rows + payload["largest_batch"]
     _print_table(rows)
-    path = write_result(args.tag, {"benchmark": "train", "rows": rows}, args.out_dir)
+    if args.real_run_config:
+        payload["real_run"] = real_run(args.real_run_config, args.preset, args.batch_size, args.real_steps)
+    path = write_result(args.tag, payload, args.out_dir)
     print(f"\nwrote {path}")
     return 0
 

@@ -161,3 +161,43 @@ def test_cli_short_run_prints_a_sample(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0 and "--- sample ---" in out and "trained 3 steps" in out
     assert (tmp_path / "ckpt.pt").is_file()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", [None, "fp16", "fp16-master", "bf16", "bf16-master", "tf32"])
+def test_gpu_policies_train_the_tiny_model(precision):
+    """Every policy the GPU supports learns the corpus about as well as the CPU's fp32 reference.
+
+    Same bound as test_short_run_learns_the_corpus: lower precision must not cost the tiny model
+    its learning. Policies the GPU cannot run (bf16 below sm_80) must be refused, not run.
+    """
+    from mpgpt.precision import resolve_precision
+
+    try:
+        resolve_precision(precision, "cuda")
+    except ValueError:
+        pytest.skip(f"{precision} not supported on {torch.cuda.get_device_name()}")
+    hist = train(TrainConfig(steps=150, batch_size=16, progress=False, sample_tokens=20, eval_interval=150,
+                             eval_batches=4, precision=precision, device="cuda"))
+    assert hist.val_loss[-1] < 2.6, (precision, hist.val_loss)
+    assert sum(hist.skipped) <= 20, hist.skipped  # only the dynamic scaler's first overflows from 2^16
+
+
+@pytest.mark.gpu
+def test_gpu_autocast_logits_match_fp32_reference():
+    # Relative error of the logits against the fp32 model: autocast rounds matmul inputs to 16 bits
+    # (bf16: 8 significant bits, eps 2^-8; fp16: 11 bits, eps 2^-11) and the errors add over layers.
+    from mpgpt.model import GPT, GPTConfig
+
+    model = GPT(GPTConfig.preset("tiny", vocab_size=64)).cuda()
+    idx = torch.randint(0, 64, (4, 64), device="cuda")
+    with torch.no_grad():
+        torch.backends.cuda.matmul.allow_tf32 = False
+        ref, _ = model(idx)
+        for dtype, tol in [(torch.float16, 5e-3), (torch.bfloat16, 3e-2)]:
+            if dtype is torch.bfloat16 and torch.cuda.get_device_capability() < (8, 0):
+                continue
+            with torch.autocast("cuda", dtype=dtype):
+                out, _ = model(idx)
+            rel = (out.float() - ref).norm() / ref.norm()
+            assert rel < tol, (dtype, rel.item())
