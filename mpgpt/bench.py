@@ -142,6 +142,7 @@ class _GradScalerAdapter:
     def __init__(self, device):
         self.inner = torch.amp.GradScaler(torch.device(device).type)
         self.last_step_skipped = False  # not tracked: reading it would add a sync GradScaler avoids
+        self.last_found_inf = 0.0
 
     def scale(self, loss):
         return self.inner.scale(loss)
@@ -156,6 +157,9 @@ class _GradScalerAdapter:
         self.inner.update()
 
     def get_scale(self):
+        return self.inner.get_scale()
+
+    def scale_tensor(self):
         return self.inner.get_scale()
 
     def state_dict(self):

@@ -92,7 +92,7 @@ class TrainConfig:
     checkpoint_interval: int = 0      # 0: only at the end (when out_dir is set)
     resume: str | None = None         # path to a checkpoint to continue from
     progress: bool = True
-    log_interval: int = 1             # how often per-step values are brought to the host
+    log_interval: int = 10            # per-step values are brought to the host every this many steps
     model_overrides: dict = field(default_factory=dict)  # e.g. {"n_layer": 2}: passed to GPTConfig
     fsdp: bool = False                # under torchrun: FSDP2 sharding instead of DDP (mpgpt.distributed)
 
@@ -147,6 +147,7 @@ class NullScaler:
     """The scaler interface with no scaling and no overflow check: every step is taken (fp32/bf16)."""
 
     last_step_skipped = False
+    last_found_inf = 0.0
 
     def scale(self, loss):
         return loss
@@ -161,6 +162,9 @@ class NullScaler:
         pass
 
     def get_scale(self) -> float:
+        return 1.0
+
+    def scale_tensor(self) -> float:
         return 1.0
 
     def state_dict(self) -> dict:
@@ -315,7 +319,9 @@ class Trainer:
                 torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in self.params if p.grad is not None]))
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        if self.master is not None and not self.scaler.last_step_skipped:
+        if self.master is not None:
+            # Unconditional, so no sync is needed to ask whether the step was skipped: after a skip
+            # the masters are unchanged and rounding them again rewrites the same 16-bit values.
             self.master.master_to_model()
         self.optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
@@ -418,22 +424,27 @@ class Trainer:
         while self.step < stop:
             step = self.step
             loss, grad_norm, lr = self.train_step(after_backward)
-            pending.append((step, loss, grad_norm, lr, self.scaler.get_scale(), self.scaler.last_step_skipped))
+            pending.append((step, loss, grad_norm, lr, self.scaler.scale_tensor(), self.scaler.last_found_inf))
             last = self.step == stop
             if len(pending) >= cfg.log_interval or last:
-                values = torch.stack([torch.stack([p[1], p[2].float()]) for p in pending]).tolist()
+                # One device->host copy for the whole interval: loss, grad norm, scale and overflow
+                # flag of each step (the scale and flag may be Python floats: no scaler, or no step yet).
+                dev = pending[0][1].device
+                values = torch.stack([torch.stack([loss_t, gn.float(), torch.as_tensor(sc, dtype=torch.float32, device=dev),
+                                                   torch.as_tensor(fi, dtype=torch.float32, device=dev)])
+                                      for _, loss_t, gn, _, sc, fi in pending]).tolist()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
                 now = time.perf_counter()
                 tps = tokens_per_step * len(pending) / (now - t_last)
                 t_last = now
-                for (s, _, _, lr_s, scale, skipped), (loss_v, gn_v) in zip(pending, values):
+                for (s, _, _, lr_s, _, _), (loss_v, gn_v, scale, found_inf) in zip(pending, values):
                     hist.step.append(s)
                     hist.loss.append(loss_v)
                     hist.grad_norm.append(gn_v)
                     hist.lr.append(lr_s)
                     hist.scale.append(scale)
-                    hist.skipped.append(bool(skipped))
+                    hist.skipped.append(found_inf > 0)
                     hist.tokens_per_s.append(tps)
                     flops = self.flops_per_token
                     hist.mfu.append(flops * tps / self.peak if (self.peak and flops) else None)

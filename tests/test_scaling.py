@@ -46,7 +46,8 @@ def _one_optimizer(kind):
         ]
         if kind == "sgd":
             return [torch.optim.SGD(groups, momentum=0.9)]
-        return [torch.optim.AdamW(groups)]
+        # fused AdamW takes the overflow flag itself and skips on the device (no sync in step()).
+        return [torch.optim.AdamW(groups, fused=kind == "adamw-fused")]
     return make
 
 
@@ -130,8 +131,9 @@ def _run_against_gradscaler(seed, make_optimizers, scaler_kwargs, steps=300, dev
     return n_skipped, n_grown
 
 
-@pytest.mark.parametrize("make_optimizers", [_one_optimizer("sgd"), _one_optimizer("adamw"), _two_optimizers],
-                         ids=["sgd", "adamw", "two-optimizers"])
+@pytest.mark.parametrize("make_optimizers", [_one_optimizer("sgd"), _one_optimizer("adamw"),
+                                             _one_optimizer("adamw-fused"), _two_optimizers],
+                         ids=["sgd", "adamw", "adamw-fused", "two-optimizers"])
 @pytest.mark.parametrize("repeat", range(2))
 def test_matches_gradscaler_default_rule(make_optimizers, repeat):
     seed = _fresh_seed()
@@ -328,9 +330,9 @@ class _SyncCounter:
         optimizer.step = paused_step
 
 
-def _sync_counts(scaler, counter, steps=12, explicit_unscale=False):
+def _sync_counts(scaler, counter, steps=12, explicit_unscale=False, fused=False):
     net = _Net()
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=fused)
     counter.pause_inside(opt)
     counts = {"scale": [], "unscale_": [], "step": [], "update": []}
     for i in range(steps):
@@ -358,6 +360,36 @@ def test_exactly_one_sync_per_step(monkeypatch, make_scaler, explicit_unscale):
     counts = _sync_counts(make_scaler(), counter, explicit_unscale=explicit_unscale)
     assert all(c == 1 for c in counts["step"]), counts
     assert all(c == 0 for c in counts["scale"] + counts["unscale_"] + counts["update"]), counts
+
+
+def test_no_sync_with_a_fused_optimizer(monkeypatch):
+    # Fused AdamW receives found_inf and skips on the device: step() must not read any device value,
+    # and overflow steps must still leave the weights and the optimizer state untouched.
+    counter = _SyncCounter(monkeypatch)
+    counts = _sync_counts(DynamicLossScaler(growth_interval=2), counter, fused=True)
+    assert all(c == 0 for c in counts["step"] + counts["scale"] + counts["update"]), counts
+
+
+def test_fused_optimizer_skip_leaves_weights_and_state_untouched():
+    net = _Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
+    scaler = DynamicLossScaler()
+    for step in range(4):
+        opt.zero_grad()
+        scaler.scale(F.mse_loss(net(torch.randn(4, 6)), torch.randn(4, 3))).backward()
+        before = [p.detach().clone() for p in net.parameters()]
+        steps_before = [opt.state[p]["step"].clone() for p in net.parameters() if p in opt.state]
+        if step == 2:
+            net.fc1.weight.grad[0, 0] = NAN
+        scaler.step(opt)
+        scaler.update()
+        if step == 2:
+            assert scaler.last_step_skipped and scaler.last_found_inf.item() > 0
+            assert all(torch.equal(b, p) for b, p in zip(before, net.parameters()))
+            assert all(torch.equal(a, opt.state[p]["step"]) for a, p in zip(steps_before, net.parameters()))
+        else:
+            assert not scaler.last_step_skipped
+            assert not all(torch.equal(b, p) for b, p in zip(before, net.parameters()))
 
 
 def test_sync_counter_catches_extra_syncs(monkeypatch):
