@@ -79,16 +79,26 @@ def write_result(kind: str, payload: dict, out_dir=None) -> Path:
 # ------------------------------------------------------------------------------------------------
 # Training throughput
 # ------------------------------------------------------------------------------------------------
-# name -> (precision policy, scaler, torch.compile, Triton linears)
+# name -> how the step runs. compile: None (eager) or a torch.compile mode ("default",
+# "reduce-overhead" = CUDA graphs); bias=False matches nanoGPT's bench.py model.
+def _config(precision, scaler="none", compile=None, triton=False, bias=True, checkpointing=False):
+    return dict(precision=precision, scaler=scaler, compile=compile, triton=triton, bias=bias,
+                checkpointing=checkpointing)
+
+
 TRAIN_CONFIGS = {
-    "fp32": ("fp32", "none", False, False),
-    "tf32": ("tf32", "none", False, False),
-    "fp16": ("fp16", "dynamic", False, False),
-    "fp16-gradscaler": ("fp16", "torch", False, False),
-    "bf16": ("bf16", "none", False, False),
-    "fp16+compile": ("fp16", "dynamic", True, False),
-    "bf16+compile": ("bf16", "none", True, False),
-    "bf16+compile+triton": ("bf16", "none", True, True),
+    "fp32": _config("fp32"),
+    "tf32": _config("tf32"),
+    "fp16": _config("fp16", "dynamic"),
+    "fp16-gradscaler": _config("fp16", "torch"),
+    "bf16": _config("bf16"),
+    "bf16-nobias": _config("bf16", bias=False),
+    "bf16+checkpointing": _config("bf16", checkpointing=True),
+    "fp16+compile": _config("fp16", "dynamic", compile="default"),
+    "bf16+compile": _config("bf16", compile="default"),
+    "bf16+compile-nobias": _config("bf16", compile="default", bias=False),
+    "bf16+compile+cudagraphs": _config("bf16", compile="reduce-overhead"),
+    "bf16+compile+triton": _config("bf16", compile="default", triton=True),
 }
 
 
@@ -113,26 +123,26 @@ class _SyntheticTokens:
 
 
 def _make_trainer(name, preset, batch_size, block_size, device, checkpointing=False):
+    from mpgpt.model import GPT, GPTConfig
     from mpgpt.train import TrainConfig, Trainer
 
-    precision, scaler, compile_, triton_ = TRAIN_CONFIGS[name]
-    cfg = TrainConfig(preset=preset, precision=precision, scaler="dynamic" if scaler == "torch" else scaler,
+    spec = TRAIN_CONFIGS[name]
+    cfg = TrainConfig(preset=preset, precision=spec["precision"],
+                      scaler="dynamic" if spec["scaler"] == "torch" else spec["scaler"],
                       batch_size=batch_size, block_size=block_size, compile=False, device=str(device),
                       progress=False, sample_tokens=0, steps=10**9, warmup_steps=10, lr=6e-4)
-    from mpgpt.model import GPT, GPTConfig
-
     overrides = {"block_size": block_size} if block_size else {}
-    model = GPT(GPTConfig.preset(preset, **overrides))
+    model = GPT(GPTConfig.preset(preset, bias=spec["bias"], **overrides))
     data = _SyntheticTokens(model.config.vocab_size, batch_size, model.config.block_size, device)
     trainer = Trainer(cfg, model=model, dataset=data)
-    if scaler == "torch":
+    if spec["scaler"] == "torch":
         trainer.scaler = _GradScalerAdapter(device)
-    if triton_:
+    if spec["triton"]:
         trainer.model.use_triton(True)
-    if checkpointing and hasattr(trainer.model, "set_activation_checkpointing"):
+    if checkpointing or spec["checkpointing"]:
         trainer.model.set_activation_checkpointing(True)
-    if compile_:
-        trainer.forward = torch.compile(trainer.model)
+    if spec["compile"]:
+        trainer.forward = torch.compile(trainer.model, mode=spec["compile"])
     return trainer
 
 
@@ -311,7 +321,7 @@ def main(argv=None) -> int:
     t.add_argument("--preset", default="gpt2")
     t.add_argument("--batch-size", type=int, default=12)
     t.add_argument("--block-size", type=int, default=None)
-    t.add_argument("--configs", default=",".join(n for n in TRAIN_CONFIGS if n != "fp16-gradscaler"),
+    t.add_argument("--configs", default="fp32,tf32,fp16,bf16,fp16+compile,bf16+compile,bf16+compile+triton",
                    help="comma-separated names from: " + ", ".join(TRAIN_CONFIGS))
     t.add_argument("--warmup", type=int, default=10)
     t.add_argument("--steps", type=int, default=30)
