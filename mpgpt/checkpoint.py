@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FORMAT", "VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "check_compatible"]
+__all__ = ["FORMAT", "VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "check_compatible",
+           "check_global_batch"]
 
 FORMAT = "mpgpt-checkpoint"
 VERSION = 1
@@ -92,3 +93,16 @@ def check_compatible(state: dict, model_config: dict, model_state: dict) -> None
         if tuple(ckpt_model[name].shape) != tuple(tensor.shape):
             raise CheckpointError(f"checkpoint tensor {name} has shape {tuple(ckpt_model[name].shape)}, "
                                   f"the model expects {tuple(tensor.shape)}; resume with the same model")
+
+
+def check_global_batch(state: dict, batch_size: int, world_size: int) -> None:
+    """Refuse to resume with a different global batch: the data stream would not continue, it would change.
+
+    Any number of ranks that divides the checkpoint's global batch works (``batch_size`` per rank).
+    """
+    saved = state.get("global_batch_size", state["train_config"]["batch_size"] * state.get("world_size", 1))
+    if saved != batch_size * world_size:
+        hint = (f"use --batch-size {saved // world_size}" if saved % world_size == 0
+                else f"use a number of ranks that divides {saved}")
+        raise CheckpointError(f"checkpoint was trained on a global batch of {saved} sequences, this run uses "
+                              f"{batch_size} x {world_size} ranks = {batch_size * world_size}; {hint}")

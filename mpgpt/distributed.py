@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mpgpt.checkpoint import CheckpointError, save_checkpoint
+from mpgpt.checkpoint import CheckpointError, check_global_batch, save_checkpoint
 from mpgpt.train import Trainer, TrainConfig, _param_groups
 
 __all__ = ["DistEnv", "dist_env", "init_distributed", "agree_found_inf", "DistributedTrainer",
@@ -214,8 +214,12 @@ class DistributedTrainer(Trainer):
         dist.barrier()  # nobody goes on (or reads the file) before it exists
         return Path(path)
 
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
     def load_state_dict(self, state: dict) -> None:
-        check_global_batch(state, self.cfg.batch_size, self.env.world_size)
+        check_global_batch(state, self.cfg.batch_size, self.world_size)  # before resharding anything
         if self.ddp is None:  # FSDP: cut the full tensors into this rank's shards
             live = self.model.state_dict()  # DTensors, tied weights under both names
             state = dict(state)
@@ -223,19 +227,6 @@ class DistributedTrainer(Trainer):
             in_order = [p for group in self.optimizer.param_groups for p in group["params"]]  # state's numbering
             state["optimizer"] = _map_optimizer_tensors(state["optimizer"], _shard_like, in_order)
         super().load_state_dict(state)
-
-
-def check_global_batch(state: dict, batch_size: int, world_size: int) -> None:
-    """Refuse to resume with a different global batch: the data stream would not continue, it would change.
-
-    Any number of ranks that divides the checkpoint's global batch works (``batch_size`` per rank).
-    """
-    saved = state.get("global_batch_size", state["train_config"]["batch_size"] * state.get("world_size", 1))
-    if saved != batch_size * world_size:
-        hint = (f"use --batch-size {saved // world_size}" if saved % world_size == 0
-                else f"use a number of ranks that divides {saved}")
-        raise CheckpointError(f"checkpoint was trained on a global batch of {saved} sequences, this run uses "
-                              f"{batch_size} x {world_size} ranks = {batch_size * world_size}; {hint}")
 
 
 @contextlib.contextmanager

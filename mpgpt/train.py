@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from mpgpt.checkpoint import CheckpointError, check_compatible, load_checkpoint, save_checkpoint
+from mpgpt.checkpoint import CheckpointError, check_compatible, check_global_batch, load_checkpoint, save_checkpoint
 from mpgpt.precision import MasterWeights, resolve_precision
 
 __all__ = ["TrainConfig", "History", "train", "main", "NullScaler", "make_scaler", "peak_flops"]
@@ -328,6 +328,11 @@ class Trainer:
         self.step += 1
         return loss_sum, grad_norm, lr
 
+    @property
+    def world_size(self) -> int:
+        """Processes sharing each global batch: 1 here; mpgpt.distributed overrides it."""
+        return 1
+
     def micro_step_context(self, last: bool):
         """Wraps one micro-batch's forward and backward. A no-op here; mpgpt.distributed skips the
         gradient all-reduce (DDP ``no_sync``) on every micro-batch but the last."""
@@ -390,6 +395,7 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         """Continue from a checkpoint's contents (as read by mpgpt.checkpoint.load_checkpoint)."""
         check_compatible(state, asdict(self.model.config), self.model.state_dict())
+        check_global_batch(state, self.cfg.batch_size, self.world_size)
         if state.get("scaler_type") != type(self.scaler).__name__ or state.get("precision") != self.policy.name:
             raise CheckpointError(f"checkpoint was written with precision {state.get('precision')} and "
                                   f"{state.get('scaler_type')}, this run uses {self.policy.name} and "

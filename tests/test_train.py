@@ -201,3 +201,10 @@ def test_gpu_autocast_logits_match_fp32_reference():
                 out, _ = model(idx)
             rel = (out.float() - ref).norm() / ref.norm()
             assert rel < tol, (dtype, rel.item())
+
+
+def test_resume_refuses_a_different_batch_size(tmp_path):
+    # A different batch size would silently change the data stream instead of continuing it.
+    Trainer(_cfg(steps=2, out_dir=str(tmp_path))).run()
+    with pytest.raises(CheckpointError, match="global batch of 4 sequences.*use --batch-size 4"):
+        Trainer(_cfg(batch_size=8)).load(tmp_path / "ckpt.pt")
