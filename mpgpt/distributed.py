@@ -337,10 +337,12 @@ def _bench_worker(args) -> None:
     device = torch.device(f"cuda:{env.local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    precision, scaler, _, _ = TRAIN_CONFIGS[args.config]
-    cfg = TrainConfig(preset=args.preset, precision=precision, scaler=scaler, batch_size=args.batch_size,
-                      device=str(device), progress=False, sample_tokens=0, steps=10**9, warmup_steps=10,
-                      lr=6e-4, fsdp=args.fsdp)
+    spec = TRAIN_CONFIGS[args.config]
+    if spec["scaler"] == "torch" or spec["triton"] or spec["compile"] not in (None, "default"):
+        raise ValueError(f"configuration {args.config} is not supported by the distributed benchmark")
+    cfg = TrainConfig(preset=args.preset, precision=spec["precision"], scaler=spec["scaler"],
+                      batch_size=args.batch_size, device=str(device), progress=False, sample_tokens=0,
+                      steps=10**9, warmup_steps=10, lr=6e-4, fsdp=args.fsdp, compile=spec["compile"] is not None)
     overrides = {"block_size": args.block_size} if args.block_size else {}
     model = GPT(GPTConfig.preset(args.preset, **overrides))
     # The same global batch on every rank; each keeps its own rows (see DistributedTrainer.batch).
@@ -433,7 +435,7 @@ def main(argv=None) -> int:
     ln.add_argument("rest", nargs=argparse.REMAINDER, help="what python runs, e.g. -m mpgpt.train --steps 20")
     b = sub.add_parser("bench", help="tokens/s on 1 and N GPUs, scaling efficiency, JSON result file")
     b.add_argument("--preset", default="gpt2")
-    b.add_argument("--config", default="bf16", help="a name from mpgpt.bench.TRAIN_CONFIGS (no compile/triton)")
+    b.add_argument("--config", default="bf16", help="a name from mpgpt.bench.TRAIN_CONFIGS (default compile mode, no triton)")
     b.add_argument("--batch-size", type=int, default=12, help="sequences per GPU")
     b.add_argument("--block-size", type=int, default=None)
     b.add_argument("--nproc", type=int, default=None, help="GPUs for the multi-GPU runs (default: all)")
