@@ -6,26 +6,27 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+LOG=/tmp/logs; mkdir -p $LOG  # logs and executed notebooks come back as one tarball (8 files at most)
 python3 -m pip install -q --no-index --find-links .whl --target /tmp/site nbclient ipykernel nbval ipywidgets tqdm \
-  > "$OUT/pip.log" 2>&1 || tail -3 "$OUT/pip.log"
+  > "$LOG/pip.log" 2>&1 || tail -3 "$LOG/pip.log"
 export PYTHONPATH=/tmp/site:$PWD
-nvidia-smi --query-gpu=index,name,driver_version --format=csv | tee "$OUT/nvidia-smi.txt"
-env | grep -E "^(NCCL|TORCH_SYMM|NVSHMEM)" | tee -a "$OUT/nvidia-smi.txt"
+nvidia-smi --query-gpu=index,name,driver_version --format=csv | tee "$LOG/nvidia-smi.txt"
+env | grep -E "^(NCCL|TORCH_SYMM|NVSHMEM)" | tee -a "$LOG/nvidia-smi.txt"
 t0=$(date +%s)
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py 2>&1 | tee "$OUT/dist_tests.log" | tail -4
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py 2>&1 | tee "$LOG/dist_tests.log" | tail -4
 echo "distributed tests: $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-timeout 120 python3 -m mpgpt.distributed bench --config bf16 --out-dir "$OUT" --tag ddp 2>&1 | tee "$OUT/ddp.log" | tail -7
+timeout 120 python3 -m mpgpt.distributed bench --config bf16 --out-dir "$OUT" --tag ddp 2>&1 | tee "$LOG/ddp.log" | tail -7
 timeout 120 python3 -m mpgpt.distributed bench --config bf16+compile --no-fsdp --out-dir "$OUT" --tag ddp-compile 2>&1 \
-  | tee "$OUT/ddp_compile.log" | tail -5
+  | tee "$LOG/ddp_compile.log" | tail -5
 echo "scaling bench: $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 mkdir -p /tmp/nbgpu && cp notebooks/*.ipynb /tmp/nbgpu/
 ( for nb in /tmp/nbgpu/0[2-8]*.ipynb; do
     CUDA_VISIBLE_DEVICES=1 timeout 200 python3 scripts/run_notebook.py "$nb" 2>&1 | tail -3
-  done > "$OUT/notebooks_gpu.log" 2>&1 ) &
+  done > "$LOG/notebooks_gpu.log" 2>&1 ) &
 CUDA_VISIBLE_DEVICES=0 timeout 260 python3 -m mpgpt.bench train \
   --configs fp16,fp16-gradscaler,bf16,bf16-nobias,bf16+checkpointing,fp16+compile,bf16+compile,bf16+compile-nobias,bf16+compile+cudagraphs \
-  --warmup 10 --steps 30 --out-dir "$OUT" --tag train 2>&1 | tee "$OUT/bench_train.log" | grep "|" | tail -12
+  --warmup 10 --steps 30 --out-dir "$OUT" --tag train 2>&1 | tee "$LOG/bench_train.log" | grep "|" | tail -12
 wait
 echo "ladder + notebooks: $(( $(date +%s) - t0 )) s"
-cat "$OUT/notebooks_gpu.log"
-tar czf "$OUT/notebooks_gpu.tgz" -C /tmp nbgpu
+cat "$LOG/notebooks_gpu.log"
+cp -r /tmp/nbgpu $LOG/ && tar czf "$OUT/logs_and_gpu_notebooks.tgz" -C /tmp logs
