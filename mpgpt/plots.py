@@ -6,6 +6,9 @@ static figure that shows the same thing.
 
 Chapter 1 (number formats): `plot_bit_layouts`, `plot_value_bits`, `plot_representable`,
 `plot_accumulation`, `format_explorer`.
+
+Chapters 2 and 3 (training): `plot_loss_curves` (runs against loss floors), `plot_train_benchmark`
+(step time and peak memory from a `python -m mpgpt.bench train` result file).
 """
 from __future__ import annotations
 
@@ -178,3 +181,115 @@ def format_explorer(value: str | float = "0.1", formats=None):
     box.observe(show, names="value")
     show()
     return widgets.VBox([box, out])
+
+
+# ------------------------------------------------------------------------------------------------
+# Chapters 2 and 3: loss curves and training benchmarks
+# ------------------------------------------------------------------------------------------------
+RUN_COLORS = ("#222222", "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b")
+
+
+def _curve(run):
+    """(steps, losses, val_steps, val_losses) from a History-like object or a (steps, losses) pair."""
+    if hasattr(run, "loss"):
+        steps = list(run.step) if getattr(run, "step", None) else list(range(len(run.loss)))
+        return steps, list(run.loss), list(getattr(run, "val_step", []) or []), list(getattr(run, "val_loss", []) or [])
+    steps, losses = run
+    return list(steps), list(losses), [], []
+
+
+def _smooth(values, window: int):
+    """Trailing moving average over `window` points (the first points average what exists so far)."""
+    if window <= 1:
+        return list(values)
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_loss_curves(runs, floors=None, *, smooth: int = 1, logy: bool = False, ax=None,
+                     title: str = "Training loss", ylabel: str = "loss (nats per token)") -> Figure:
+    """Loss curves of one or more runs, with horizontal reference lines ("floors").
+
+    ``runs`` maps a label to a :class:`mpgpt.train.History` (training loss per step, and its
+    validation losses drawn as dots) or to a ``(steps, losses)`` pair. ``floors`` maps a label to a
+    loss value drawn as a dashed line, e.g. the corpus's entropy rate. ``smooth`` > 1 shows a
+    trailing moving average of that many steps over the raw curve (drawn faint). Pass ``ax`` to
+    draw into an existing axes; the Figure it belongs to is returned.
+    """
+    if not runs:
+        raise ValueError("plot_loss_curves needs at least one run: {label: History or (steps, losses)}")
+    if smooth < 1:
+        raise ValueError(f"smooth must be >= 1 (a window in steps), got {smooth}")
+    fig, ax = plt.subplots(figsize=(8, 4.5)) if ax is None else (ax.figure, ax)
+    for k, (label, run) in enumerate(runs.items()):
+        steps, losses, val_steps, val_losses = _curve(run)
+        if len(steps) != len(losses):
+            raise ValueError(f"run {label!r}: {len(steps)} steps but {len(losses)} losses")
+        color = RUN_COLORS[k % len(RUN_COLORS)]
+        if smooth > 1:
+            ax.plot(steps, losses, color=color, alpha=0.2, linewidth=0.8)
+            ax.plot(steps, _smooth(losses, smooth), color=color, label=f"{label} (train, {smooth}-step mean)")
+        else:
+            ax.plot(steps, losses, color=color, label=label if not val_steps else f"{label} (train)")
+        if val_steps:
+            ax.plot(val_steps, val_losses, "o", color=color, markersize=5, label=f"{label} (validation)")
+    for k, (label, value) in enumerate((floors or {}).items()):
+        ax.axhline(value, color="0.35", linestyle=("--", ":", "-.")[k % 3], linewidth=1.2)
+        ax.annotate(f"{label}: {value:.3f}", xy=(1.0, value), xycoords=("axes fraction", "data"),
+                    xytext=(-4, 3), textcoords="offset points", ha="right", va="bottom", fontsize=8, color="0.25")
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right" if not floors else "center right")
+    fig.tight_layout()
+    return fig
+
+
+def plot_train_benchmark(result: dict, configs=None) -> Figure:
+    """Step time and peak memory per configuration from a ``python -m mpgpt.bench train`` result.
+
+    ``result`` is the parsed JSON (``{"environment": {...}, "rows": [...]}``); rows that recorded an
+    error (e.g. out of memory) are left out. ``configs`` selects and orders configurations by name.
+    The title names the GPU and the torch version the numbers were recorded with.
+    """
+    rows = [r for r in result.get("rows", []) if "error" not in r and r.get("ms_per_step_median") is not None]
+    if configs is not None:
+        by_name = {r["config"]: r for r in rows}
+        rows = [by_name[c] for c in configs if c in by_name]
+    if not rows:
+        raise ValueError("the result has no successful rows to plot (every row is missing or recorded an error)")
+    env = result.get("environment", {})
+    names = [r["config"] for r in rows]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 0.45 * len(rows) + 1.6), sharey=True)
+    ms = [r["ms_per_step_median"] for r in rows]
+    ax_t.barh(names, ms, color="#3d85c6")
+    for y, v in enumerate(ms):
+        ax_t.text(v, y, f" {v:.1f}", va="center", fontsize=8)
+    ax_t.set_xlabel("median step time (ms)")
+    ax_t.invert_yaxis()
+    mem = [r.get("peak_memory_gib") for r in rows]
+    if any(m is not None for m in mem):
+        vals = [m if m is not None else 0.0 for m in mem]
+        ax_m.barh(names, vals, color="#81b29a")
+        for y, v in enumerate(mem):
+            ax_m.text(v or 0.0, y, f" {v:.1f}" if v is not None else " n/a", va="center", fontsize=8)
+        ax_m.set_xlabel("peak memory (GiB)")
+    else:
+        ax_m.text(0.5, 0.5, "no memory figures\n(not a CUDA run)", ha="center", va="center", transform=ax_m.transAxes)
+        ax_m.set_xticks([])
+    for ax in (ax_t, ax_m):
+        ax.grid(axis="x", alpha=0.3)
+        ax.margins(x=0.2)
+    preset, batch = rows[0].get("preset", "?"), rows[0].get("batch_size", "?")
+    fig.suptitle(f"{env.get('gpu', 'unknown device')} · torch {env.get('torch', '?')} · "
+                 f"preset {preset}, batch {batch}", fontsize=10)
+    fig.tight_layout()
+    return fig
