@@ -19,9 +19,9 @@ timeout 120 python3 -m mpgpt.distributed bench --config bf16 --out-dir "$OUT" --
 timeout 120 python3 -m mpgpt.distributed bench --config bf16+compile --no-fsdp --out-dir "$OUT" --tag ddp-compile 2>&1 \
   | tee "$LOG/ddp_compile.log" | tail -5
 echo "scaling bench: $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-mkdir -p /tmp/nbgpu && cp notebooks/*.ipynb /tmp/nbgpu/
+mkdir -p $PWD/nbgpu && cp notebooks/*.ipynb $PWD/nbgpu/
 # All chapter notebooks at once on GPU 1 (one kernel each; their timings are not benchmarks).
-for nb in /tmp/nbgpu/0[2-8]*.ipynb; do
+for nb in $PWD/nbgpu/0[2-8]*.ipynb; do
   ( CUDA_VISIBLE_DEVICES=1 timeout 280 python3 scripts/run_notebook.py "$nb" > "$nb.log" 2>&1; echo "exit $?" >> "$nb.log" ) &
 done
 CUDA_VISIBLE_DEVICES=0 timeout 260 python3 -m mpgpt.bench train \
@@ -29,5 +29,5 @@ CUDA_VISIBLE_DEVICES=0 timeout 260 python3 -m mpgpt.bench train \
   --warmup 10 --steps 30 --out-dir "$OUT" --tag train 2>&1 | tee "$LOG/bench_train.log" | grep "|" | tail -12
 wait
 echo "ladder + notebooks: $(( $(date +%s) - t0 )) s"
-for f in /tmp/nbgpu/*.log; do echo "== $f"; tail -3 "$f"; done | tee "$LOG/notebooks_gpu.log"
-cp -r /tmp/nbgpu $LOG/ && tar czf "$OUT/logs_and_gpu_notebooks.tgz" -C /tmp logs
+for f in $PWD/nbgpu/*.log; do echo "== $f"; tail -3 "$f"; done | tee "$LOG/notebooks_gpu.log"
+cp -r nbgpu $LOG/ && tar czf "$OUT/logs_and_gpu_notebooks.tgz" -C /tmp logs
