@@ -8,12 +8,12 @@ python3 -m pip install -q --no-index --find-links .whl --target /tmp/site nbclie
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 t0=$(date +%s)
-timeout 110 python3 -m mpgpt.bench train --configs fp16,fp16-gradscaler,bf16,fp16+compile,bf16+compile \
+timeout 95 python3 -m mpgpt.bench train --configs fp16,fp16-gradscaler,bf16,fp16+compile,bf16+compile \
   --warmup 10 --steps 30 --out-dir "$OUT" --tag train 2>&1 | tee $LOG/bench_train.log | grep "|"
 echo "ladder: $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 mkdir -p nbgpu && cp notebooks/*.ipynb nbgpu/
 for nb in nbgpu/0[2-8]*.ipynb; do
-  ( timeout 150 python3 scripts/run_notebook.py "$nb" > "$nb.log" 2>&1; echo "exit $?" >> "$nb.log" ) &
+  ( timeout 115 python3 scripts/run_notebook.py "$nb" > "$nb.log" 2>&1; echo "exit $?" >> "$nb.log" ) &
 done
 wait
 echo "notebooks: $(( $(date +%s) - t0 )) s"
