@@ -11,6 +11,8 @@ Chapters 2 and 3 (training): `plot_loss_curves` (runs against loss floors), `plo
 (step time and peak memory from a `python -m mpgpt.bench train` result file).
 Chapter 6 (Triton kernels): `load_kernel_results`, `describe_environment`, `arithmetic_intensity`,
 `plot_kernel_tflops`, `plot_roofline`.
+Chapter 7 (putting it together): `newest_bench_result`, `ladder_rows`, `plot_train_ladder`,
+`plot_batch_sweep`, `plot_real_run` (the recorded GPT-2-small training ladder).
 """
 from __future__ import annotations
 
@@ -435,5 +437,148 @@ def plot_roofline(results: dict, bandwidth_tbs: float, peak_tflops: float | None
     ax.set_title("Roofline of the benchmarked matmuls\n" + describe_environment(results), fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    return fig
+
+
+# ------------------------------------------------------------------------------------------------
+# Chapter 7 (putting it together): the training ladder from `python -m mpgpt.bench train` results.
+# The figures read the recorded JSON (mpgpt/bench.py writes it), so no number is typed by hand.
+# ------------------------------------------------------------------------------------------------
+# The rungs in the order the chapter climbs them; configurations a result file lacks are left out.
+TRAIN_LADDER = ("fp32", "tf32", "fp16", "fp16-gradscaler", "bf16", "bf16+compile",
+                "bf16+compile+cudagraphs", "bf16+compile+triton")
+PRECISION_COLORS = {"fp32": "#7f7f7f", "tf32": "#9467bd", "fp16": "#d62728", "bf16": "#1f77b4"}
+
+
+def is_gpu_result(result: dict) -> bool:
+    """Whether a result file was recorded on a GPU (``environment.gpu`` names one, not ``CPU (...)``)."""
+    gpu = (result.get("environment") or {}).get("gpu")
+    return isinstance(gpu, str) and bool(gpu) and not gpu.upper().startswith("CPU")
+
+
+def newest_bench_result(kind: str = "train", results_dir=None, gpu_only: bool = True) -> dict:
+    """The newest ``<kind>_*.json`` in ``results_dir`` (default: benchmarks/results/ of the repository)
+    by its recorded ``environment.date``, recorded on a GPU unless ``gpu_only`` is False.
+
+    The dict gets a ``_path`` entry naming the file, so a notebook can say where its numbers came from.
+    """
+    import json
+    from pathlib import Path
+
+    folder = Path(results_dir) if results_dir is not None else \
+        Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    found = []
+    for p in sorted(folder.glob(f"{kind}_*.json")):
+        result = json.loads(p.read_text())
+        if not gpu_only or is_gpu_result(result):
+            found.append((str(result.get("environment", {}).get("date", "")), p.name, p, result))
+    if not found:
+        what = "GPU " if gpu_only else ""
+        raise FileNotFoundError(f"no {what}{kind}_*.json in {folder}; run `python -m mpgpt.bench {kind}` on a GPU "
+                                "or clone the course repository, which carries recorded results")
+    *_, path, result = max(found, key=lambda f: f[:2])
+    result["_path"] = str(path)
+    return result
+
+
+def ladder_rows(result: dict, order=TRAIN_LADDER) -> list[dict]:
+    """The successful rows of a train result: those named in ``order`` first, in that order, then the
+    rest in file order. Rows that recorded an error (out of memory, no Triton here) are left out."""
+    rows = [r for r in result.get("rows", []) if "error" not in r and r.get("tokens_per_s")]
+    rank = {name: i for i, name in enumerate(order)}
+    return sorted(rows, key=lambda r: (rank.get(r["config"], len(rank)), rows.index(r)))
+
+
+def _precision_color(config: str) -> str:
+    return PRECISION_COLORS.get(config.split("+")[0].split("-")[0], "#444444")
+
+
+def plot_train_ladder(result: dict, anchors=None, order=TRAIN_LADDER) -> Figure:
+    """Tokens/s of every configuration of a train result (bars, colored by precision, labelled with
+    MFU against 989 TFLOP/s), plus optional reference lines ``anchors = {label: tokens_per_s}``."""
+    rows = ladder_rows(result, order)
+    if not rows:
+        raise ValueError("the result has no successful rows to plot (every row is missing or recorded an error)")
+    env = result.get("environment", {})
+    fig, ax = plt.subplots(figsize=(9.5, 0.42 * len(rows) + 1.9))
+    names = [r["config"] for r in rows]
+    k = [r["tokens_per_s"] / 1e3 for r in rows]
+    ax.barh(names, k, color=[_precision_color(n) for n in names])
+    for y, r in enumerate(rows):
+        mfu = r.get("mfu_vs_989T")
+        label = f" {r['tokens_per_s'] / 1e3:.0f}k" + (f" · MFU {100 * mfu:.1f}%" if mfu is not None else "")
+        ax.text(r["tokens_per_s"] / 1e3, y, label, va="center", fontsize=8)
+    styles = ["--", ":", "-."]
+    for i, (label, tps) in enumerate((anchors or {}).items()):
+        ax.axvline(tps / 1e3, color="#e07a5f", linestyle=styles[i % len(styles)], linewidth=1.3,
+                   label=f"{label}: {tps / 1e3:.0f}k")
+    if anchors:
+        ax.legend(fontsize=8, loc="upper right")  # the first rungs (fp32, tf32) are short bars: room at the top
+    ax.invert_yaxis()
+    ax.set_xlabel("thousand tokens / s (higher is better)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.margins(x=0.25)
+    preset, batch, block = rows[0].get("preset", "?"), rows[0].get("batch_size", "?"), rows[0].get("block_size", "?")
+    ax.set_title(f"{env.get('gpu', 'unknown device')} · torch {env.get('torch', '?')} · {str(env.get('date', '?'))[:10]}"
+                 f"\npreset {preset}, batch {batch} x {block} tokens", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_batch_sweep(result: dict) -> Figure:
+    """Tokens/s and peak memory against batch size from a train result's ``largest_batch`` rows (one
+    configuration at growing batches); a batch that ran out of memory is marked on the memory panel."""
+    sweep = result.get("largest_batch") or []
+    ok = [r for r in sweep if "error" not in r and r.get("tokens_per_s")]
+    if not ok:
+        raise ValueError("the result has no largest_batch rows; record them with "
+                         "`python -m mpgpt.bench train --max-batch-config CONFIG`")
+    config = ok[0]["config"]
+    same = [r for r in result.get("rows", []) if r.get("config") == config and "error" not in r and r.get("tokens_per_s")]
+    pts = sorted({r["batch_size"]: r for r in same + ok}.values(), key=lambda r: r["batch_size"])
+    bs = [r["batch_size"] for r in pts]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 3.4))
+    ax_t.plot(bs, [r["tokens_per_s"] / 1e3 for r in pts], "o-", color=_precision_color(config))
+    ax_t.set_ylabel("thousand tokens / s")
+    ax_t.set_ylim(bottom=0)
+    mem = [r.get("peak_memory_gib") for r in pts]
+    if all(m is not None for m in mem):
+        ax_m.plot(bs, mem, "o-", color="#81b29a")
+    ax_m.set_ylabel("peak memory (GiB)")
+    ax_m.set_ylim(bottom=0)
+    for r in sweep:
+        if "error" in r:
+            ax_m.axvline(r["batch_size"], color="#d62728", linestyle="--", linewidth=1.2,
+                         label=f"batch {r['batch_size']}: {r['error']}")
+            ax_m.legend(fontsize=8, loc="upper left")
+    for ax in (ax_t, ax_m):
+        ax.set_xlabel("batch size (sequences)")
+        ax.grid(alpha=0.3)
+    env = result.get("environment", {})
+    fig.suptitle(f"{config} on {env.get('gpu', 'unknown device')}: throughput and memory against batch", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_real_run(result: dict, floor: float | None = None) -> Figure:
+    """The loss of a train result's ``real_run`` (every 10th step) on the embedded corpus, with the
+    corpus's entropy rate as the floor no model can beat, if given."""
+    run = result.get("real_run")
+    if not run or not run.get("loss_every_10"):
+        raise ValueError("the result has no real_run; record one with `python -m mpgpt.bench train --real-run-config CONFIG`")
+    losses = run["loss_every_10"]
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    ax.plot([10 * i for i in range(len(losses))], losses, "o-", color=_precision_color(run["config"]),
+            label=f"{run['config']}, batch {run.get('batch_size', '?')}")
+    if floor is not None:
+        ax.axhline(floor, color="#222222", linestyle=":", label=f"entropy rate of the corpus ({floor:.2f} nats)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss (nats / token)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    env = result.get("environment", {})
+    ax.set_title(f"{run.get('preset', '?')} on the embedded corpus, {env.get('gpu', 'unknown device')}", fontsize=10)
     fig.tight_layout()
     return fig

@@ -1,0 +1,120 @@
+"""Chapter 7's helpers in mpgpt/plots.py: finding the newest GPU training result, the ladder order,
+and the figures drawn from a `python -m mpgpt.bench train` result file."""
+import json
+import random
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+from mpgpt import plots  # noqa: E402
+
+
+def _row(config, batch=12, tps=None, **extra):
+    tps = tps if tps is not None else random.randint(10_000, 900_000)
+    return {"config": config, "preset": "gpt2", "batch_size": batch, "block_size": 1024,
+            "ms_per_step_median": batch * 1024 / tps * 1e3, "tokens_per_s": tps,
+            "mfu_vs_989T": round(855383040 * tps / 989e12, 4), "peak_memory_gib": batch * 1.1, **extra}
+
+
+def _result(gpu, date, rows=None, **extra):
+    return {"environment": {"gpu": gpu, "date": date, "torch": "2.x"}, "rows": rows or [_row("bf16")], **extra}
+
+
+def _write(folder, name, result):
+    (folder / name).write_text(json.dumps(result))
+
+
+def test_newest_gpu_result_is_chosen_by_recorded_date_not_file_name(tmp_path):
+    _write(tmp_path, "train_zzz_2026-01-01.json", _result("NVIDIA H200", "2026-01-01T00:00:00+00:00"))
+    _write(tmp_path, "train_aaa_2027-05-02.json", _result("NVIDIA H100 80GB HBM3", "2027-05-02T10:00:00+00:00"))
+    _write(tmp_path, "train_cpu_2028-01-01.json", _result("CPU (x86_64)", "2028-01-01T00:00:00+00:00"))
+    _write(tmp_path, "kernels_h200_2029-01-01.json", _result("NVIDIA H200", "2029-01-01T00:00:00+00:00"))
+    got = plots.newest_bench_result("train", tmp_path)
+    assert got["environment"]["gpu"] == "NVIDIA H100 80GB HBM3"
+    assert got["_path"].endswith("train_aaa_2027-05-02.json")
+    # a CPU file is newest overall, and is what gpu_only=False returns
+    assert plots.newest_bench_result("train", tmp_path, gpu_only=False)["environment"]["gpu"].startswith("CPU")
+    assert plots.newest_bench_result("kernels", tmp_path)["_path"].endswith("kernels_h200_2029-01-01.json")
+
+
+def test_no_gpu_result_raises_a_clear_error(tmp_path):
+    _write(tmp_path, "train_cpu.json", _result("CPU (x86_64)", "2026-01-01"))
+    _write(tmp_path, "train_none.json", _result(None, "2026-01-02"))
+    with pytest.raises(FileNotFoundError, match="mpgpt.bench train"):
+        plots.newest_bench_result("train", tmp_path)
+    with pytest.raises(FileNotFoundError, match="no GPU train_"):
+        plots.newest_bench_result("train", tmp_path / "missing")
+
+
+def test_is_gpu_result():
+    assert plots.is_gpu_result({"environment": {"gpu": "NVIDIA H200"}})
+    for gpu in (None, "", "CPU (x86_64)", "cpu"):
+        assert not plots.is_gpu_result({"environment": {"gpu": gpu}})
+    assert not plots.is_gpu_result({})
+
+
+def test_committed_training_result_is_a_gpu_ladder():
+    result = plots.newest_bench_result("train")
+    assert plots.is_gpu_result(result)
+    names = [r["config"] for r in plots.ladder_rows(result)]
+    assert names[:2] == ["fp32", "tf32"], names  # the ladder starts at the bottom rung
+
+
+def test_ladder_rows_orders_by_ladder_then_file_and_drops_errors():
+    extra = ["bf16-nobias", "fp16+compile"]
+    ladder = [c for c in plots.TRAIN_LADDER if random.random() < 0.7] or ["bf16"]
+    configs = ladder + extra
+    random.shuffle(configs)
+    rows = [_row(c) for c in configs] + [{"config": "tf32", "batch_size": 12, "error": "out of memory"}]
+    got = [r["config"] for r in plots.ladder_rows({"rows": rows})]
+    expect_extra = [c for c in configs if c in extra]  # file order for configurations off the ladder
+    assert got == ladder + expect_extra
+
+
+def test_plot_train_ladder_draws_one_bar_per_successful_row_and_the_anchors():
+    tps = [random.randint(50_000, 600_000) for _ in range(4)]
+    rows = [_row(c, tps=t) for c, t in zip(["fp32", "tf32", "bf16", "bf16+compile"], tps)]
+    rows.append({"config": "bf16+compile+triton", "batch_size": 12, "error": "RuntimeError: no GPU"})
+    anchors = {"nanoGPT": 462e3, "llm.c": 497e3}
+    fig = plots.plot_train_ladder(_result("NVIDIA H200", "2026-11-30T00:00:00", rows), anchors=anchors)
+    ax = fig.axes[0]
+    widths = [p.get_width() for p in ax.patches]
+    assert widths == pytest.approx([t / 1e3 for t in tps])
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["fp32", "tf32", "bf16", "bf16+compile"]
+    assert sorted(line.get_xdata()[0] for line in ax.lines) == pytest.approx([462, 497])
+    assert "NVIDIA H200" in ax.get_title()
+    plt.close(fig)
+
+
+def test_plot_train_ladder_refuses_a_result_without_rows():
+    with pytest.raises(ValueError, match="no successful rows"):
+        plots.plot_train_ladder({"rows": [{"config": "fp32", "batch_size": 12, "error": "out of memory"}]})
+
+
+def test_plot_batch_sweep_includes_the_ladder_point_and_marks_oom():
+    sweep = [_row("bf16", b) for b in (16, 32, 64)] + [{"config": "bf16", "batch_size": 128, "error": "out of memory"}]
+    result = _result("NVIDIA H200", "2026-11-30", [_row("bf16", 12), _row("fp32", 12)], largest_batch=sweep)
+    fig = plots.plot_batch_sweep(result)
+    ax_t, ax_m = fig.axes
+    assert list(ax_t.lines[0].get_xdata()) == [12, 16, 32, 64]  # bf16 at batch 12 from the ladder, then the sweep
+    assert list(ax_m.lines[0].get_ydata()) == pytest.approx([b * 1.1 for b in (12, 16, 32, 64)])
+    assert ax_m.lines[1].get_xdata()[0] == 128 and "out of memory" in ax_m.get_legend().texts[0].get_text()
+    plt.close(fig)
+    with pytest.raises(ValueError, match="largest_batch"):
+        plots.plot_batch_sweep(_result("NVIDIA H200", "2026-11-30"))
+
+
+def test_plot_real_run_draws_every_tenth_step_and_the_floor():
+    losses = sorted((random.uniform(1, 11) for _ in range(15)), reverse=True)
+    run = {"config": "bf16+compile", "preset": "gpt2", "batch_size": 12, "loss_every_10": losses}
+    fig = plots.plot_real_run(_result("NVIDIA H200", "2026-11-30", real_run=run), floor=0.88)
+    ax = fig.axes[0]
+    assert list(ax.lines[0].get_xdata()) == list(range(0, 150, 10))
+    assert list(ax.lines[0].get_ydata()) == losses
+    assert ax.lines[1].get_ydata()[0] == 0.88
+    plt.close(fig)
+    with pytest.raises(ValueError, match="real_run"):
+        plots.plot_real_run(_result("NVIDIA H200", "2026-11-30"))
