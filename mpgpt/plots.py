@@ -442,6 +442,120 @@ def plot_roofline(results: dict, bandwidth_tbs: float, peak_tflops: float | None
 
 
 # ------------------------------------------------------------------------------------------------
+# Chapters 4 and 5: loss scaling — gradient exponents against a format's range, the loss-scale sawtooth
+# ------------------------------------------------------------------------------------------------
+ZONE_COLORS = {"zero": "#7f7f7f", "subnormal": "#f2cc8f", "overflow": "#e07a5f"}
+
+
+def _log2_magnitudes(values):
+    """log2|v| of the nonzero finite entries of a tensor (or anything torch.as_tensor reads), and the zero count."""
+    import torch
+
+    v = torch.as_tensor(values).detach().reshape(-1).double()
+    v = v[torch.isfinite(v)]
+    nonzero = v[v != 0]
+    return torch.log2(nonzero.abs()), int((v == 0).sum())
+
+
+def plot_gradient_exponents(samples, fmt="fp16", *, bins: int = 80, xlim=None, title=None, ax=None) -> Figure:
+    """Histograms of log2|g| for one or more sets of values, on the bands of a format's range.
+
+    ``samples`` maps a label to a tensor of values (e.g. every gradient entry of a model, times a
+    loss scale) or is a single tensor. The shaded bands are the fate of a value cast to ``fmt``:
+    at or below half the smallest subnormal (2^-25 for fp16) it rounds to zero; up to the smallest
+    normal (2^-14) it is subnormal (or rounds up to 2^-24) and keeps fewer significant bits;
+    above the largest finite value (65504) it overflows to inf. Exact zeros cannot be drawn on a log
+    axis: their count goes into the legend.
+    """
+    import math
+
+    import torch
+
+    f = F.get_format(fmt)
+    if isinstance(samples, torch.Tensor) or not hasattr(samples, "items"):
+        samples = {"values": samples}
+    if not samples:
+        raise ValueError("plot_gradient_exponents needs at least one set of values: {label: tensor}")
+    logs = {label: _log2_magnitudes(v) for label, v in samples.items()}
+    if all(lg.numel() == 0 for lg, _ in logs.values()):
+        raise ValueError("every value is zero, inf or nan: there are no exponents to draw")
+    lo_sub, lo_norm = math.log2(f.smallest_subnormal), math.log2(f.smallest_normal)
+    lo_zero = lo_sub - 1  # at or below half the smallest subnormal a value rounds to 0 (ties to even)
+    hi = math.log2(f.max_finite)
+    if xlim is None:
+        lo = min(float(lg.min()) for lg, _ in logs.values() if lg.numel())
+        top = max(float(lg.max()) for lg, _ in logs.values() if lg.numel())
+        xlim = (min(lo, lo_zero - 4) - 1, max(top, hi + 2) + 1)
+    fig, ax = plt.subplots(figsize=(9, 4.2)) if ax is None else (ax.figure, ax)
+    edges = torch.linspace(xlim[0], xlim[1], bins + 1).tolist()
+    ax.axvspan(xlim[0], lo_zero, color=ZONE_COLORS["zero"], alpha=0.18,
+               label=f"rounds to 0 in {f.name} (<= 2^{lo_zero:.0f})")
+    ax.axvspan(lo_zero, lo_norm, color=ZONE_COLORS["subnormal"], alpha=0.35,
+               label=f"subnormal: fewer bits (2^{lo_sub:.0f} to 2^{lo_norm:.0f})")
+    ax.axvspan(hi, xlim[1], color=ZONE_COLORS["overflow"], alpha=0.25, label=f"overflow to inf (> {f.max_finite:g})")
+    for k, (label, (lg, zeros)) in enumerate(logs.items()):
+        color = RUN_COLORS[k % len(RUN_COLORS)]
+        clipped = lg.clamp(xlim[0], xlim[1]).tolist()  # values outside the axis pile up in the end bins
+        suffix = f" ({zeros} exact zeros)" if zeros else ""
+        ax.hist(clipped, bins=edges, histtype="step", linewidth=1.6, color=color, label=f"{label}{suffix}")
+    ax.set_xlim(*xlim)
+    ax.set_xlabel("log2 |value|")
+    ax.set_ylabel("number of values")
+    ax.set_title(title or f"Where the values fall in {f.name}'s range")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_loss_scale(scale, skipped, *, loss=None, steps=None, title: str = "Dynamic loss scale") -> Figure:
+    """The loss scale per step on a log2 axis, with skipped (overflowed) steps marked by red crosses.
+
+    ``scale`` and ``skipped`` are per-step lists (a :class:`mpgpt.train.History` has both), the
+    scale being the value *after* that step's update. With ``loss`` a second panel shows the loss,
+    skipped steps marked on it too (a skipped step's loss may be inf or nan: then it is not drawn).
+    """
+    import math
+
+    from matplotlib.ticker import MaxNLocator
+
+    scale, skipped = list(scale), [bool(s) for s in skipped]
+    if not scale:
+        raise ValueError("plot_loss_scale needs at least one step")
+    if len(scale) != len(skipped) or (loss is not None and len(loss) != len(scale)):
+        raise ValueError(f"scale ({len(scale)}), skipped ({len(skipped)}) and loss "
+                         f"({'-' if loss is None else len(loss)}) must have one entry per step")
+    if any(not s > 0 for s in scale):
+        raise ValueError("every loss scale must be > 0 to be drawn on a log axis")
+    steps = list(range(len(scale))) if steps is None else list(steps)
+    rows = 2 if loss is not None else 1
+    fig, axes = plt.subplots(rows, 1, figsize=(9, 2.8 * rows + 0.6), sharex=True, squeeze=False)
+    ax = axes[0][0]
+    log_scale = [math.log2(s) for s in scale]
+    ax.step(steps, log_scale, where="post", color="#1f77b4", linewidth=1.5, label="loss scale (after update)")
+    bad = [i for i, s in enumerate(skipped) if s]
+    ax.plot([steps[i] for i in bad], [log_scale[i] for i in bad], "x", color="#d62728", markersize=8,
+            markeredgewidth=2, label=f"skipped step (overflow): {len(bad)}")
+    ax.set_ylabel("log2(scale)")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # scales are powers of two: whole exponents
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    if loss is not None:
+        ax2 = axes[1][0]
+        ax2.plot(steps, loss, color="#222222", linewidth=1.0, label="training loss")
+        finite_bad = [i for i in bad if math.isfinite(loss[i])]
+        ax2.plot([steps[i] for i in finite_bad], [loss[i] for i in finite_bad], "x", color="#d62728",
+                 markersize=7, markeredgewidth=2, label="skipped step")
+        ax2.set_ylabel("loss")
+        ax2.grid(alpha=0.3)
+        ax2.legend(fontsize=8, loc="upper right")
+    axes[-1][0].set_xlabel("optimizer step")
+    fig.tight_layout()
+    return fig
+
+
+# ------------------------------------------------------------------------------------------------
 # Chapter 7 (putting it together): the training ladder from `python -m mpgpt.bench train` results.
 # The figures read the recorded JSON (mpgpt/bench.py writes it), so no number is typed by hand.
 # ------------------------------------------------------------------------------------------------
