@@ -65,7 +65,7 @@ from mpgpt.checkpoint import CheckpointError, check_global_batch, save_checkpoin
 from mpgpt.train import Trainer, TrainConfig, _param_groups
 
 __all__ = ["DistEnv", "dist_env", "init_distributed", "agree_found_inf", "DistributedTrainer",
-           "fsdp_mixed_precision", "check_global_batch", "launch", "bench", "main"]
+           "fsdp_mixed_precision", "launch", "first_failure", "bench", "main"]
 
 
 @dataclass(frozen=True)
@@ -324,6 +324,18 @@ def launch(args: list[str], nproc: int = 2, *, env: dict | None = None, timeout:
     return results
 
 
+def first_failure(results: list[subprocess.CompletedProcess]):
+    """(rank, result) of the rank that failed on its own, or None if all ranks succeeded.
+
+    When one rank fails, :func:`launch` kills the others (negative exit codes, usually nothing on
+    stderr), so the rank to report is one with a positive exit code.
+    """
+    failed = [(rank, r) for rank, r in enumerate(results) if r.returncode != 0]
+    if not failed:
+        return None
+    return min(failed, key=lambda item: (item[1].returncode < 0, item[0]))
+
+
 # ------------------------------------------------------------------------------------------------
 # Benchmark: tokens/s on 1 and N GPUs
 # ------------------------------------------------------------------------------------------------
@@ -399,8 +411,9 @@ def bench(preset="gpt2", config="bf16", batch_size=12, block_size=None, nproc=No
             cmd += ["--fsdp"] if use_fsdp else []
             results = launch(cmd, world)
             label = f"{world} GPU{'s' if world > 1 else ''} {'fsdp' if use_fsdp else 'ddp' if world > 1 else ''}"
-            if any(r.returncode != 0 for r in results):
-                err = next(r.stderr for r in results if r.returncode != 0).strip().splitlines()
+            failure = first_failure(results)
+            if failure is not None:
+                err = failure[1].stderr.strip().splitlines()
                 rows.append({"world_size": world, "mode": "fsdp" if use_fsdp else "ddp", "error": err[-1] if err else "?"})
                 print(f"{label:>14}: failed: {rows[-1]['error']}", flush=True)
                 continue

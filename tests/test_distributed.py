@@ -225,3 +225,19 @@ def test_fsdp_shards_fp32_masters_and_matches_one_process(runs):
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
+
+
+def test_first_failure_reports_the_rank_that_failed_on_its_own():
+    # launch() kills the surviving ranks when one fails: their exit codes are negative and their
+    # stderr says nothing. The report must name the rank with the real error, whatever its number.
+    import subprocess
+
+    from mpgpt.distributed import first_failure
+
+    ok = subprocess.CompletedProcess([], 0, "", "")
+    killed = subprocess.CompletedProcess([], -9, "", "")
+    crashed = subprocess.CompletedProcess([], 1, "", "ValueError: boom")
+    assert first_failure([ok, ok]) is None
+    assert first_failure([killed, crashed]) == (1, crashed)
+    assert first_failure([crashed, killed]) == (0, crashed)
+    assert first_failure([killed, ok]) == (0, killed)
