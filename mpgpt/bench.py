@@ -33,12 +33,14 @@ __all__ = ["environment", "write_result", "bench_train", "main", "TRAIN_CONFIGS"
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
 
-def environment() -> dict:
+def environment(command: str | None = None) -> dict:
     """GPU, driver, CUDA, torch and triton versions, the date and the command, for a result file."""
+    if command is None:
+        command = ("python -m mpgpt.bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+                   if sys.argv and sys.argv[0].endswith("bench.py") else " ".join(shlex.quote(a) for a in sys.argv))
     env = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m mpgpt.bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        if sys.argv and sys.argv[0].endswith("bench.py") else " ".join(shlex.quote(a) for a in sys.argv),
+        "command": command,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

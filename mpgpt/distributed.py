@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mpgpt.checkpoint import CheckpointError, check_global_batch, save_checkpoint
+from mpgpt.checkpoint import check_global_batch, save_checkpoint
 from mpgpt.train import Trainer, TrainConfig, _param_groups
 
 __all__ = ["DistEnv", "dist_env", "init_distributed", "agree_found_inf", "DistributedTrainer",

@@ -13,7 +13,6 @@ downloads are not used). Without them the browser test fails when CI=true and sk
 import functools
 import http.server
 import os
-import re
 import shutil
 import subprocess
 import sys

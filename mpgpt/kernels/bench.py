@@ -22,12 +22,9 @@ CUDA, torch and triton versions, the date and the exact command.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
-import platform
 import re
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,27 +51,14 @@ LINEAR_SHAPES = [  # (label, in, out, activation)
 
 
 def environment(argv) -> dict:
-    """GPU, driver, CUDA, torch, triton versions, date and command for the result file."""
-    import triton
+    """mpgpt.bench's record (GPU, driver, CUDA, torch, triton, date, command) plus the GPU's shape."""
+    from mpgpt.bench import environment as base_environment
 
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
-    except Exception as exc:  # no nvidia-smi: record why
-        driver = f"unknown ({exc.__class__.__name__})"
+    env = base_environment(command="python -m mpgpt.kernels.bench " + " ".join(shlex.quote(a) for a in argv))
     props = torch.cuda.get_device_properties(0)
-    return {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m mpgpt.kernels.bench " + " ".join(shlex.quote(a) for a in argv),
-        "gpu": torch.cuda.get_device_name(0),
-        "compute_capability": list(torch.cuda.get_device_capability(0)),
-        "multiprocessors": props.multi_processor_count,
-        "driver": driver,
-        "cuda": torch.version.cuda,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-    }
+    env["compute_capability"] = list(torch.cuda.get_device_capability(0))
+    env["multiprocessors"] = props.multi_processor_count
+    return env
 
 
 def _median_ms(fn, grad_to_none=None):
