@@ -83,9 +83,9 @@ def write_result(kind: str, payload: dict, out_dir=None) -> Path:
 # ------------------------------------------------------------------------------------------------
 # name -> how the step runs. compile: None (eager) or a torch.compile mode ("default",
 # "reduce-overhead" = CUDA graphs); bias=False matches nanoGPT's bench.py model.
-def _config(precision, scaler="none", compile=None, triton=False, bias=True, checkpointing=False):
+def _config(precision, scaler="none", compile=None, triton=False, bias=True, checkpointing=False, chunked_loss=0):
     return dict(precision=precision, scaler=scaler, compile=compile, triton=triton, bias=bias,
-                checkpointing=checkpointing)
+                checkpointing=checkpointing, chunked_loss=chunked_loss)
 
 
 TRAIN_CONFIGS = {
@@ -97,9 +97,11 @@ TRAIN_CONFIGS = {
     "bf16-nobias": _config("bf16", bias=False),
     "bf16+checkpointing": _config("bf16", checkpointing=True),
     "fp16+compile": _config("fp16", "dynamic", compile="default"),
+    "fp16-gradscaler+compile": _config("fp16", "torch", compile="default"),
     "bf16+compile": _config("bf16", compile="default"),
     "bf16+compile-nobias": _config("bf16", compile="default", bias=False),
     "bf16+compile+cudagraphs": _config("bf16", compile="reduce-overhead"),
+    "bf16+compile+chunked-loss": _config("bf16", compile="default", chunked_loss=2048),
     "bf16+compile+triton": _config("bf16", compile="default", triton=True),
 }
 
@@ -143,6 +145,8 @@ def _make_trainer(name, preset, batch_size, block_size, device, checkpointing=Fa
         trainer.model.use_triton(True)
     if checkpointing or spec["checkpointing"]:
         trainer.model.set_activation_checkpointing(True)
+    if spec["chunked_loss"]:
+        trainer.model.set_chunked_loss(spec["chunked_loss"])
     if spec["compile"]:
         trainer.forward = torch.compile(trainer.model, mode=spec["compile"])
     return trainer

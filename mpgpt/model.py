@@ -193,6 +193,7 @@ class GPT(nn.Module):
         # Off by default; see set_activation_checkpointing (a run-time switch, not part of the config,
         # so a checkpoint written with it on resumes with it off and vice versa).
         self.activation_checkpointing = False
+        self.loss_chunk_rows = 0  # 0: full logits; see set_chunked_loss
 
         # GPT-2 / nanoGPT initialisation: N(0, 0.02) for weights, zeros for biases...
         self.apply(self._init_weights)
@@ -233,6 +234,14 @@ class GPT(nn.Module):
             else:
                 x = block(x)  # (B, T, C)
         x = self.transformer.ln_f(x)  # (B, T, C)
+        if targets is not None and self.loss_chunk_rows:
+            from mpgpt.fused_loss import chunked_linear_cross_entropy
+
+            if targets.shape != idx.shape:
+                raise ValueError(f"targets shape {tuple(targets.shape)} must match idx shape {tuple(idx.shape)}")
+            loss = chunked_linear_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
+                                                self.loss_chunk_rows)
+            return None, loss  # no full logits exist in this mode
         logits = self.lm_head(x)  # (B, T, V)
 
         loss = None
@@ -351,6 +360,15 @@ class GPT(nn.Module):
         the block during backward (torch.utils.checkpoint, non-reentrant). Costs about one extra
         forward pass (~+33% FLOPs); saves the activations inside every block. Returns self."""
         self.activation_checkpointing = bool(enable)
+        return self
+
+    def set_chunked_loss(self, chunk_rows: int = 2048) -> "GPT":
+        """Compute output layer + cross-entropy ``chunk_rows`` positions at a time (mpgpt.fused_loss) when
+        targets are given: the (B, T, vocab) logits are never materialised, and forward returns
+        ``(None, loss)``. 0 switches back to full logits. Returns self."""
+        if chunk_rows < 0:
+            raise ValueError(f"chunk_rows must be >= 0, got {chunk_rows}")
+        self.loss_chunk_rows = int(chunk_rows)
         return self
 
     # ------------------------------------------------------------------------------ chapter 6

@@ -1,0 +1,82 @@
+"""Output layer and cross-entropy in chunks, never materialising the full logits (chapter 7).
+
+For GPT-2 small at batch 12 x 1024 the logits are 12,288 x 50,304 values: 1.2 GB in bf16 and
+2.5 GB again when upcast to fp32 for the loss, read and written several times between the forward
+and the backward pass. This module computes, for a slice of rows at a time,
+
+    logits = x_c @ W^T                 (rows x V, in the autocast dtype, fp32 accumulation)
+    loss  += logsumexp(logits) - logits[target]            (fp32)
+    g      = softmax(logits) - onehot(target)              (fp32, the gradient of the summed loss)
+    dx_c   = g @ W,   dW += g^T @ x_c                      (matmuls in the autocast dtype)
+
+so only one chunk of logits exists at a time, and the backward pass only rescales the stored
+gradients by ``grad_output / n``. ``g`` is kept *unnormalised* (entries in [-1, 1]) and the 1/n of
+the mean is applied in fp32 at the end: divided by n = 12,288 first, the small probabilities in
+``g`` would fall below fp16's smallest subnormal (2^-24) and vanish before the loss scale could
+lift them.
+
+Numerically it is the same computation as ``F.cross_entropy(x @ W^T, targets)``, in a different
+summation order; ``tests/test_fused_loss.py`` checks it against that reference.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["chunked_linear_cross_entropy"]
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, targets, chunk_rows: int, compute_dtype):
+        # x (N, C), weight (V, C), targets (N,) with -1 for "ignore"
+        N, C = x.shape
+        acc = torch.promote_types(compute_dtype, torch.float32)  # fp32, or fp64 for a float64 reference
+        xc, wc = x.to(compute_dtype), weight.to(compute_dtype)
+        grad_x = torch.empty(N, C, dtype=acc, device=x.device)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=x.device)
+        loss_sum = torch.zeros((), dtype=acc, device=x.device)
+        for start in range(0, N, chunk_rows):
+            rows = slice(start, min(start + chunk_rows, N))
+            t = targets[rows]
+            valid = (t != -1).unsqueeze(1)                        # (n, 1)
+            t = t.clamp_min(0)
+            logits = (xc[rows] @ wc.t()).to(acc)                   # (n, V): the only logits alive
+            lse = torch.logsumexp(logits, dim=1, keepdim=True)    # (n, 1)
+            loss_sum += ((lse - logits.gather(1, t.unsqueeze(1))) * valid).sum()
+            g = logits.sub_(lse).exp_()                           # softmax, in place: (n, V)
+            g.scatter_add_(1, t.unsqueeze(1), torch.full_like(lse, -1.0))  # minus the one-hot
+            g.mul_(valid)
+            g = g.to(compute_dtype)
+            grad_x[rows] = g @ wc                                  # (n, C)
+            grad_w += g.t() @ xc[rows]                             # (V, C)
+        n_valid = (targets != -1).sum().clamp_min(1).to(acc)
+        ctx.save_for_backward(grad_x, grad_w, n_valid)
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return loss_sum / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x, grad_w, n_valid = ctx.saved_tensors
+        scale = grad_out.to(n_valid.dtype) / n_valid
+        return (grad_x * scale).to(ctx.dtypes[0]), (grad_w * scale).to(ctx.dtypes[1]), None, None, None
+
+
+def chunked_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                                 chunk_rows: int = 2048) -> torch.Tensor:
+    """Mean cross-entropy of ``x @ weight.T`` against ``targets`` (-1 = ignore), ``chunk_rows`` rows at a time.
+
+    x: (N, C) hidden states, weight: (V, C) output matrix, targets: (N,) int64. Under autocast the
+    matmuls run in the autocast dtype (as ``nn.Linear`` would); the softmax and the loss in fp32.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or targets.shape != x.shape[:1]:
+        raise ValueError(f"expected x (N, C), weight (V, C), targets (N,); got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}, {tuple(targets.shape)}")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = torch.promote_types(x.dtype, weight.dtype)
+    with torch.autocast(device_type, enabled=False):  # dtypes are chosen above, explicitly
+        return _ChunkedLinearCrossEntropy.apply(x, weight, targets, chunk_rows, compute_dtype)
