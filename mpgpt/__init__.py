@@ -10,6 +10,7 @@ Map of the package (leaves first; each module's docstring names the chapter that
     checkpoint   atomic save and verified load                                    chapter 5
     kernels      Triton bf16 matmul with a fused epilogue, TritonLinear           chapter 6
     train        the training loop and the `python -m mpgpt.train` CLI            chapters 2-5
+    fused_loss   output layer + cross-entropy in chunks, never the full logits    chapter 7
     bench        benchmarks that write versioned result files                     chapters 6, 7
     distributed  DDP / FSDP2 wiring and rank-agreed overflow decisions            chapter 8
     plots        figures and widgets the chapters share                           all
