@@ -232,18 +232,20 @@ def test_configure_optimizer_decays_matrices_only():
 
 
 def test_tiny_model_learns_the_embedded_corpus():
-    # 60 AdamW steps of the tiny preset (batch 16). The loss starts at ln(V) ~ 3.95 nats; predicting
-    # characters by their frequency alone gives ~2.99 (the corpus's unigram entropy), where a fresh
-    # model lingers for a while. Measured over 8 seeds: 2.65-2.75 after 60 steps (mean of the last
-    # 10), so 2.85 fails only when the model has learned nothing beyond character counts.
+    # 120 AdamW steps of the tiny preset (batch 16). The loss starts at ln(V) ~ 3.95 nats; predicting
+    # characters by their frequency alone gives ~2.99 (the corpus's unigram entropy), a plateau where
+    # a fresh model can linger: over seeds 0-7 (lr 3e-3, one thread) seven reached 2.40-2.69 after
+    # 120 steps and one (seed 1) still sat at 3.01. So this convergence test fixes its seed (0: 2.44)
+    # rather than drawing one; 2.85 fails only if the model learns nothing beyond character counts.
     from mpgpt.data import TextDataset, default_corpus
 
+    torch.manual_seed(0)
     ds = TextDataset(default_corpus())
     cfg = GPTConfig.preset("tiny", vocab_size=ds.vocab_size)
     model = GPT(cfg)
-    opt = model.configure_optimizer(weight_decay=0.1, lr=6e-3, betas=(0.9, 0.99), device_type="cpu")
+    opt = model.configure_optimizer(weight_decay=0.1, lr=3e-3, betas=(0.9, 0.99), device_type="cpu")
     losses = []
-    for _ in range(60):
+    for _ in range(120):
         x, y = ds.get_batch("train", batch_size=16, block_size=cfg.block_size)
         _, loss = model(x, y)
         opt.zero_grad(set_to_none=True)
@@ -252,7 +254,7 @@ def test_tiny_model_learns_the_embedded_corpus():
         losses.append(loss.item())
     assert losses[0] == pytest.approx(math.log(ds.vocab_size), abs=0.15)
     final = sum(losses[-10:]) / 10  # average out batch-to-batch noise
-    assert final < 2.85, f"loss after 60 steps {final:.3f}"
+    assert final < 2.85, f"loss after 120 steps {final:.3f}"
 
 
 # --------------------------------------------------------------------------------- chapter 6
