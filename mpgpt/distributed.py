@@ -157,12 +157,16 @@ class DistributedTrainer(Trainer):
 
     def _shard(self) -> None:
         """FSDP2: one shard group per transformer block, then the rest (embeddings, ln_f, tied lm_head)."""
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mp = fsdp_mixed_precision(self.policy)
+        # An explicit mesh on this run's device type: fully_shard's default mesh takes the machine's
+        # accelerator, so a CPU (gloo) run on a machine that has a GPU would move its shards to cuda.
+        mesh = init_device_mesh(self.device.type, (self.env.world_size,))
         for block in self.model.transformer.h:
-            fully_shard(block, mp_policy=mp)
-        fully_shard(self.model, mp_policy=mp)
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(self.model, mesh=mesh, mp_policy=mp)
         # fully_shard swapped every parameter for a DTensor shard: rebuild the optimizer on those.
         named = list(self.model.named_parameters())
         self.params = [p for _, p in named]
