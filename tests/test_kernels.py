@@ -152,6 +152,20 @@ def test_error_on_old_gpu_names_it(monkeypatch):
             _env.check_device(torch.zeros(1, dtype=torch.bfloat16))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter check applies without a GPU")
+def test_old_interpreter_with_new_numpy_gets_a_clear_error(monkeypatch):
+    # Triton < 3.7's interpreter calls int() on 1-element arrays, which new NumPy refuses: the
+    # kernels must say so in one line instead of failing deep inside the interpreter.
+    monkeypatch.setattr(_env, "_numpy_refuses_int_of_1d_array", lambda: True)
+    monkeypatch.setattr(_env.triton, "__version__", "3.6.0")
+    ok, why = kernels.kernels_available()
+    assert not ok and "triton>=3.7" in why
+    with pytest.raises(RuntimeError, match="triton>=3.7"):
+        matmul(rand(4, 4), rand(4, 4))
+    monkeypatch.setattr(_env.triton, "__version__", "3.7.0")
+    assert _env.interpreter_problem() is None
+
+
 def test_kernels_available_reports_a_reason():
     ok, why = kernels.kernels_available()
     assert ok and isinstance(why, str) and why

@@ -67,11 +67,47 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
+def _numpy_refuses_int_of_1d_array() -> bool:
+    import warnings
+
+    import numpy as np
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # NumPy 1.25-2.3 only warn (DeprecationWarning)
+        try:
+            int(np.zeros(1))
+        except TypeError:
+            return True
+    return False
+
+
+def interpreter_problem() -> str | None:
+    """Why this Triton's interpreter cannot run here, or None.
+
+    Before Triton 3.7 the interpreter turns a loop bound such as ``tl.cdiv(K, BLOCK_K)`` into a
+    Python int with ``int()`` of a 1-element array; newer NumPy refuses that (seen: Triton 3.6 with
+    NumPy 2.4.6, "only 0-dimensional arrays can be converted to Python scalars"). Triton 3.7 squeezes
+    the array first.
+    """
+    if TRITON_IMPORT_ERROR is not None or not interpreting():
+        return None
+    version = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
+    if version >= (3, 7) or not _numpy_refuses_int_of_1d_array():
+        return None
+    import numpy as np
+
+    return (f"Triton {triton.__version__}'s CPU interpreter cannot run with NumPy {np.__version__}; "
+            "pip install 'triton>=3.7' (or 'numpy<2.4') to run the kernels on the CPU")
+
+
 def kernels_available() -> tuple[bool, str]:
     """Can `mpgpt.kernels` run here? Returns (ok, one line saying how or why not)."""
     if TRITON_IMPORT_ERROR is not None:
         return False, TRITON_IMPORT_ERROR
     if interpreting():
+        problem = interpreter_problem()
+        if problem is not None:
+            return False, problem
         return True, f"Triton {triton.__version__} interpreter on the CPU (TRITON_INTERPRET=1; slow, for learning and tests)"
     if not torch.cuda.is_available():
         return False, "no CUDA GPU and TRITON_INTERPRET is not 1: set TRITON_INTERPRET=1 before importing mpgpt"
@@ -90,6 +126,9 @@ def check_device(t: torch.Tensor) -> None:
     if TRITON_IMPORT_ERROR is not None:
         raise RuntimeError(TRITON_IMPORT_ERROR)
     if interpreting():
+        problem = interpreter_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
         return  # the interpreter runs on CPU tensors (and copies CUDA tensors to the host)
     if t.device.type != "cuda":
         raise RuntimeError(
