@@ -22,6 +22,7 @@ floating-point arithmetic"; Micikevicius et al. (2022), "FP8 formats for deep le
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -38,7 +39,9 @@ class FloatFormat:
     fraction bits, without the implicit leading 1) and an exponent `bias`.
 
     `has_inf=False` describes e4m3fn ("fn" = finite, NaN): no infinities, only the all-ones
-    pattern S.1111.111 is NaN, so the top exponent holds ordinary numbers and casts saturate.
+    pattern S.1111.111 is NaN, so the top exponent holds ordinary numbers. Casts of values past
+    ±448 either saturate to ±448 or become NaN, depending on the torch release (see
+    :func:`e4m3fn_saturates`).
     """
 
     name: str
@@ -141,8 +144,18 @@ def get_format(fmt: Union[str, torch.dtype, FloatFormat]) -> FloatFormat:
 
 
 # --------------------------------------------------------------------------------------------
-# The reference: torch casts (round-to-nearest-even; e4m3fn saturates to ±448).
+# The reference: torch casts (round-to-nearest-even; e4m3fn overflow: see e4m3fn_saturates).
 # --------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def e4m3fn_saturates() -> bool:
+    """Does this torch cast values past e4m3fn's range to ±448 (saturation) rather than NaN?
+
+    e4m3fn has no infinity, so an overflowing cast must pick one of the two (the OCP FP8 spec
+    allows both modes). Seen on 2026-11-30: torch 2.13 saturates, torch 2.11 returns NaN.
+    """
+    return torch.tensor(1e6, dtype=torch.float32).to(torch.float8_e4m3fn).float().item() == 448.0
+
 
 def _as_tensor(x) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
@@ -284,12 +297,12 @@ def neighbors(x: Number, fmt) -> tuple[float, float]:
 def round_nearest_even(x: Number, fmt) -> float:
     """Round x to fmt exactly, in pure Python: nearest representable value, ties to the one whose
     last mantissa bit is 0; subnormals below the normal range; past the largest finite value,
-    inf for IEEE formats and ±max (saturation, as torch does) for e4m3fn."""
+    inf for IEEE formats and, for e4m3fn, ±max or NaN as this torch does (e4m3fn_saturates)."""
     f = get_format(fmt)
     if isinstance(x, float) and math.isnan(x):
         return math.nan
     if isinstance(x, float) and math.isinf(x):
-        return x if f.has_inf else math.copysign(f.max_finite, x)
+        return x if f.has_inf else _no_inf_overflow(f, x)
     q = Fraction(x)
     negative = q < 0 or (isinstance(x, float) and math.copysign(1.0, x) < 0)
     a = abs(q)
@@ -301,9 +314,14 @@ def round_nearest_even(x: Number, fmt) -> float:
     r = k * step  # an even k has mantissa LSB 0, also when k spills into the next binade
     sign = -1.0 if negative else 1.0
     if r > Fraction(f.max_finite):
-        # IEEE: anything that rounds past max becomes inf. e4m3fn has no inf: torch saturates.
-        return math.copysign(math.inf if f.has_inf else f.max_finite, sign)
+        # IEEE: anything that rounds past max becomes inf. e4m3fn has no inf (see e4m3fn_saturates).
+        return math.copysign(math.inf, sign) if f.has_inf else _no_inf_overflow(f, sign)
     return math.copysign(float(r), sign)  # copysign keeps -0.0 for tiny negatives
+
+
+def _no_inf_overflow(f: "FloatFormat", sign: float) -> float:
+    """Overflow in a format without infinities: saturate to ±max, or NaN, as this torch does."""
+    return math.copysign(f.max_finite, sign) if e4m3fn_saturates() else math.nan
 
 
 def encode_nearest_even(x: Number, fmt) -> int:
