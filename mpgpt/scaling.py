@@ -132,7 +132,8 @@ class BaseLossScaler:
         """Unscale (unless done), then call ``optimizer.step(*args, **kwargs)`` only if all grads are finite.
 
         Returns what ``optimizer.step`` returns, or None when the step was skipped. Sets
-        :attr:`last_step_skipped`. The one host-device sync of the iteration happens here. With
+        :attr:`last_step_skipped`. The iteration's one host-device sync happens here (none with a fused
+        optimizer, which skips on the device). With
         several optimizers each ``step()`` decides for its own gradients (as GradScaler does), and
         ``last_step_skipped`` tells the latest decision.
         """
@@ -164,15 +165,20 @@ class BaseLossScaler:
                 retval = optimizer.step(*args, **kwargs)
             finally:
                 del optimizer.grad_scale, optimizer.found_inf
-        # THE sync: Python needs a bool to decide whether to call optimizer.step().
-        elif not found_inf.item() > 0:
-            retval = optimizer.step(*args, **kwargs)
+        else:
+            # THE sync: Python needs a bool to decide whether to call optimizer.step(). Keep the bool,
+            # so reading last_step_skipped afterwards costs no second sync.
+            skipped = found_inf.item() > 0
+            self._last_found_inf = 1.0 if skipped else 0.0
+            if not skipped:
+                retval = optimizer.step(*args, **kwargs)
         state["stage"] = _Stage.STEPPED
         return retval
 
     @property
     def last_found_inf(self) -> torch.Tensor | float:
-        """The latest ``step()``'s overflow flag, > 0 if it skipped: a device tensor, read without a sync."""
+        """The latest ``step()``'s overflow flag, > 0 if it skipped: a device tensor after a fused optimizer's
+        step (read it without a sync, e.g. in batches), a Python float after any other."""
         return self._last_found_inf
 
     @property

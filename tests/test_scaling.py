@@ -334,7 +334,7 @@ def _sync_counts(scaler, counter, steps=12, explicit_unscale=False, fused=False)
     net = _Net()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=fused)
     counter.pause_inside(opt)
-    counts = {"scale": [], "unscale_": [], "step": [], "update": []}
+    counts = {"scale": [], "unscale_": [], "step": [], "update": [], "read_skipped": []}
     for i in range(steps):
         opt.zero_grad()
         loss = F.mse_loss(net(torch.randn(4, 6)), torch.randn(4, 3))
@@ -344,6 +344,7 @@ def _sync_counts(scaler, counter, steps=12, explicit_unscale=False, fused=False)
         if explicit_unscale:
             counts["unscale_"].append(counter.measure(scaler.unscale_, opt))
         counts["step"].append(counter.measure(scaler.step, opt))
+        counts["read_skipped"].append(counter.measure(lambda: scaler.last_step_skipped))
         counts["update"].append(counter.measure(scaler.update))
     return counts
 
@@ -360,6 +361,7 @@ def test_exactly_one_sync_per_step(monkeypatch, make_scaler, explicit_unscale):
     counts = _sync_counts(make_scaler(), counter, explicit_unscale=explicit_unscale)
     assert all(c == 1 for c in counts["step"]), counts
     assert all(c == 0 for c in counts["scale"] + counts["unscale_"] + counts["update"]), counts
+    assert all(c == 0 for c in counts["read_skipped"]), counts  # step() kept the bool it synced for
 
 
 def test_no_sync_with_a_fused_optimizer(monkeypatch):
