@@ -83,9 +83,10 @@ def write_result(kind: str, payload: dict, out_dir=None) -> Path:
 # ------------------------------------------------------------------------------------------------
 # name -> how the step runs. compile: None (eager) or a torch.compile mode ("default",
 # "reduce-overhead" = CUDA graphs); bias=False matches nanoGPT's bench.py model.
-def _config(precision, scaler="none", compile=None, triton=False, bias=True, checkpointing=False, chunked_loss=0):
+def _config(precision, scaler="none", compile=None, triton=False, bias=True, checkpointing=False, chunked_loss=0,
+            attention="sdpa"):
     return dict(precision=precision, scaler=scaler, compile=compile, triton=triton, bias=bias,
-                checkpointing=checkpointing, chunked_loss=chunked_loss)
+                checkpointing=checkpointing, chunked_loss=chunked_loss, attention=attention)
 
 
 TRAIN_CONFIGS = {
@@ -103,6 +104,11 @@ TRAIN_CONFIGS = {
     "bf16+compile+cudagraphs": _config("bf16", compile="reduce-overhead"),
     "bf16+compile+chunked-loss": _config("bf16", compile="default", chunked_loss=2048),
     "bf16+compile+triton": _config("bf16", compile="default", triton=True),
+    "bf16+cudnn-attn": _config("bf16", attention="cudnn"),
+    "bf16+compile+cudnn-attn": _config("bf16", compile="default", attention="cudnn"),
+    # Everything above that can combine, on nanoGPT's bias-free model.
+    "bf16+compile+all-nobias": _config("bf16", compile="reduce-overhead", bias=False, chunked_loss=2048,
+                                       attention="cudnn"),
 }
 
 
@@ -136,7 +142,7 @@ def _make_trainer(name, preset, batch_size, block_size, device, checkpointing=Fa
                       batch_size=batch_size, block_size=block_size, compile=False, device=str(device),
                       progress=False, sample_tokens=0, steps=10**9, warmup_steps=10, lr=6e-4)
     overrides = {"block_size": block_size} if block_size else {}
-    model = GPT(GPTConfig.preset(preset, bias=spec["bias"], **overrides))
+    model = GPT(GPTConfig.preset(preset, bias=spec["bias"], attention=spec["attention"], **overrides))
     data = _SyntheticTokens(model.config.vocab_size, batch_size, model.config.block_size, device)
     trainer = Trainer(cfg, model=model, dataset=data)
     if spec["scaler"] == "torch":

@@ -152,7 +152,10 @@ class DistributedTrainer(Trainer):
             # (torch 2.13 renamed the option; 2.11 knows only the old name.)
             quiet = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
                      else {"broadcast_buffers": False})
-            self.ddp = DDP(self.model, device_ids=[self.device.index] if device_type == "cuda" else None, **quiet)
+            # gradient_as_bucket_view: the .grad tensors are views into DDP's all-reduce buckets, so
+            # no copy into and out of the buckets each step, and one gradient buffer less in memory.
+            self.ddp = DDP(self.model, device_ids=[self.device.index] if device_type == "cuda" else None,
+                           bucket_cap_mb=cfg.ddp_bucket_mb, gradient_as_bucket_view=True, **quiet)
             self.forward = torch.compile(self.ddp) if cfg.compile else self.ddp
 
     def _shard(self) -> None:
@@ -171,8 +174,9 @@ class DistributedTrainer(Trainer):
         named = list(self.model.named_parameters())
         self.params = [p for _, p in named]
         cfg = self.cfg
+        # fused=True on CUDA, as in the single-GPU trainer (one kernel per step over the local shards).
         self.optimizer = torch.optim.AdamW(_param_groups(named, cfg.weight_decay), lr=cfg.lr,
-                                           betas=(cfg.beta1, cfg.beta2))
+                                           betas=(cfg.beta1, cfg.beta2), fused=self.device.type == "cuda")
         self.forward = torch.compile(self.model) if cfg.compile else self.model
 
     # ---------------------------------------------------------------------------- one step
@@ -358,7 +362,13 @@ def _bench_worker(args) -> None:
         raise ValueError(f"configuration {args.config} is not supported by the distributed benchmark")
     cfg = TrainConfig(preset=args.preset, precision=spec["precision"], scaler=spec["scaler"],
                       batch_size=args.batch_size, device=str(device), progress=False, sample_tokens=0,
-                      steps=10**9, warmup_steps=10, lr=6e-4, fsdp=args.fsdp, compile=spec["compile"] is not None)
+                      steps=10**9, warmup_steps=10, lr=6e-4, fsdp=args.fsdp, compile=spec["compile"] is not None,
+                      ddp_bucket_mb=args.bucket_mb)
+    if args.whole_graph:
+        # One compiled graph for the whole model instead of Dynamo's DDPOptimizer split at every DDP
+        # bucket: the all-reduces then start only after the whole backward (no overlap), but the
+        # compiler sees the full graph.
+        torch._dynamo.config.optimize_ddp = False
     overrides = {"block_size": args.block_size} if args.block_size else {}
     model = GPT(GPTConfig.preset(args.preset, **overrides))
     # The same global batch on every rank; each keeps its own rows (see DistributedTrainer.batch).
@@ -394,12 +404,13 @@ def _bench_worker(args) -> None:
                "ms_per_step_min": round(min(times), 3), "ms_per_step_max": round(max(times), 3),
                "tokens_per_s": round(tokens / (ms_v / 1e3)),
                "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
-               "timed_steps": args.steps, "warmup_steps": args.warmup}
+               "timed_steps": args.steps, "warmup_steps": args.warmup, "ddp_bucket_mb": args.bucket_mb,
+               "compiled_graph": ("whole" if args.whole_graph else "split at DDP buckets") if spec["compile"] else None}
         Path(args.json).write_text(json.dumps(row))
 
 
 def bench(preset="gpt2", config="bf16", batch_size=12, block_size=None, nproc=None, warmup=10, steps=30,
-          fsdp=True, out_dir=None, tag="ddp") -> dict:
+          fsdp=True, out_dir=None, tag="ddp", bucket_mb=25.0, whole_graph=False) -> dict:
     """tokens/s on 1 GPU and on ``nproc`` GPUs (DDP, and FSDP2 if ``fsdp``); scaling efficiency; a JSON file."""
     from mpgpt.bench import write_result
 
@@ -413,6 +424,7 @@ def bench(preset="gpt2", config="bf16", batch_size=12, block_size=None, nproc=No
                    "--batch-size", str(batch_size), "--warmup", str(warmup), "--steps", str(steps), "--json", str(out)]
             cmd += ["--block-size", str(block_size)] if block_size else []
             cmd += ["--fsdp"] if use_fsdp else []
+            cmd += ["--bucket-mb", str(bucket_mb)] + (["--whole-graph"] if whole_graph else [])
             results = launch(cmd, world)
             label = f"{world} GPU{'s' if world > 1 else ''} {'fsdp' if use_fsdp else 'ddp' if world > 1 else ''}"
             failure = first_failure(results)
@@ -461,12 +473,17 @@ def main(argv=None) -> int:
     b.add_argument("--no-fsdp", action="store_true", help="measure DDP only")
     b.add_argument("--out-dir", default=None)
     b.add_argument("--tag", default="ddp")
+    b.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's all-reduce bucket size in MB")
+    b.add_argument("--whole-graph", action="store_true",
+                   help="with compile: one graph, not Dynamo's split at DDP buckets (optimize_ddp=False)")
     w = sub.add_parser("_bench_worker")
     for name, kind, default in [("--preset", str, "gpt2"), ("--config", str, "bf16"), ("--batch-size", int, 12),
                                 ("--block-size", int, None), ("--warmup", int, 10), ("--steps", int, 30),
                                 ("--json", str, None)]:
         w.add_argument(name, type=kind, default=default)
     w.add_argument("--fsdp", action="store_true")
+    w.add_argument("--bucket-mb", type=float, default=25.0)
+    w.add_argument("--whole-graph", action="store_true")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"] and "-h" not in argv[1:2] and "--help" not in argv[1:2]:
         # Parsed by hand: argparse cannot leave "-m mpgpt.train --flags" alone for the ranks.
@@ -487,7 +504,7 @@ def main(argv=None) -> int:
         _bench_worker(args)
         return 0
     bench(args.preset, args.config, args.batch_size, args.block_size, args.nproc, args.warmup, args.steps,
-          not args.no_fsdp, args.out_dir, args.tag)
+          not args.no_fsdp, args.out_dir, args.tag, args.bucket_mb, args.whole_graph)
     return 0
 
 

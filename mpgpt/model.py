@@ -15,6 +15,7 @@ state_dict lines up with nanoGPT's and with Hugging Face's GPT-2 (up to its Conv
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -24,6 +25,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# SDPA's backends with cuDNN's first, for attention="cudnn" (the rest keep their usual order).
+_CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                SDPBackend.MATH]
 
 __all__ = ["GPTConfig", "GPT", "PRESETS"]
 
@@ -52,7 +58,8 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm layers, as GPT-2
-    attention: str = "sdpa"  # "sdpa": fused kernel; "math": explicit softmax(QK^T/sqrt(d))V
+    attention: str = "sdpa"  # "sdpa": fused kernel; "math": explicit softmax(QK^T/sqrt(d))V;
+    # "cudnn": sdpa, trying cuDNN's fused attention first on CUDA (else as "sdpa")
 
     def __post_init__(self):
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
@@ -66,8 +73,8 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if self.attention not in ("sdpa", "math"):
-            raise ValueError(f"attention must be 'sdpa' or 'math', got {self.attention!r}")
+        if self.attention not in ("sdpa", "math", "cudnn"):
+            raise ValueError(f"attention must be 'sdpa', 'cudnn' or 'math', got {self.attention!r}")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPTConfig":
@@ -112,11 +119,14 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
 
-        if self.attention == "sdpa":
-            # One fused kernel (flash / memory-efficient attention where available).
-            y = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-            )  # (B, nh, T, hs)
+        if self.attention != "math":
+            # One fused kernel (flash / memory-efficient attention where available). "cudnn" puts
+            # cuDNN's fused attention first in SDPA's order of preference on CUDA.
+            cudnn_first = self.attention == "cudnn" and q.is_cuda
+            with sdpa_kernel(_CUDNN_FIRST, set_priority=True) if cudnn_first else contextlib.nullcontext():
+                y = F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+                )  # (B, nh, T, hs)
         else:
             y = self._math_attention(q, k, v, T)  # (B, nh, T, hs)
 

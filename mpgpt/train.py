@@ -95,6 +95,7 @@ class TrainConfig:
     log_interval: int = 10            # per-step values are brought to the host every this many steps
     model_overrides: dict = field(default_factory=dict)  # e.g. {"n_layer": 2}: passed to GPTConfig
     fsdp: bool = False                # under torchrun: FSDP2 sharding instead of DDP (mpgpt.distributed)
+    ddp_bucket_mb: float = 25.0       # DDP's all-reduce bucket size (torch's default 25 MB)
 
     def validate(self) -> None:
         """Raise ValueError with a one-line message for values no run can use."""
@@ -104,7 +105,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        for name in ["lr", "static_scale", "init_scale"]:
+        for name in ["lr", "static_scale", "init_scale", "ddp_bucket_mb"]:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ["warmup_steps", "weight_decay", "grad_clip", "sample_tokens", "checkpoint_interval"]:
@@ -537,6 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard with FSDP2 (bf16 params, fp32 reduce) instead of DDP")
+    p.add_argument("--ddp-bucket-mb", type=float, default=d.ddp_bucket_mb,
+                   help="under torchrun: DDP's all-reduce bucket size in MB")
     return p
 
 
@@ -547,7 +550,7 @@ def config_from_args(args) -> TrainConfig:
         block_size=args.block_size, grad_accum=args.grad_accum, lr=args.lr, compile=args.compile,
         device=args.device, seed=args.seed, out_dir=args.out_dir, checkpoint_interval=args.checkpoint_interval,
         resume=args.resume, eval_interval=args.eval_interval, sample_tokens=args.sample_tokens,
-        progress=not args.no_progress, fsdp=args.fsdp)
+        progress=not args.no_progress, fsdp=args.fsdp, ddp_bucket_mb=args.ddp_bucket_mb)
 
 
 def main(argv=None) -> int:

@@ -102,7 +102,33 @@ def test_sdpa_and_math_attention_agree():
     torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "math"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_cudnn_attention_matches_math(device):
+    # attention="cudnn" only reorders SDPA's backends (cuDNN first on CUDA): it must compute the same
+    # function. Against the explicit fp32 math path: fp32 on CPU (1e-5 as above); on a GPU under
+    # bf16 autocast, where logits carry bf16's 2^-8 relative rounding and cuDNN's softmax its own
+    # order, 2e-2 relative (a wrong mask or scale is off by far more). Gradients too.
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    cfg = small_config(attention="cudnn")
+    model = GPT(cfg).to(device)
+    ref = GPT(small_config(attention="math")).to(device)
+    ref.load_state_dict(model.state_dict())
+    idx = torch.randint(0, cfg.vocab_size, (4, cfg.block_size), device=device)
+    with torch.autocast(device, torch.bfloat16, enabled=device == "cuda"):
+        a, loss_a = model(idx, idx)
+    b, loss_b = ref(idx, idx)  # fp32 reference
+    loss_a.backward()
+    loss_b.backward()
+    if device == "cpu":
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    rel = ((a.float() - b).norm() / b.norm()).item()
+    assert rel < (1e-6 if device == "cpu" else 2e-2), f"logits: relative error {rel:.2e}"
+    g_a, g_b = model.transformer.h[0].attn.c_attn.weight.grad, ref.transformer.h[0].attn.c_attn.weight.grad
+    rel_g = ((g_a - g_b).norm() / g_b.norm()).item()
+    assert rel_g < (1e-4 if device == "cpu" else 5e-2), f"gradient: relative error {rel_g:.2e}"
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "math", "cudnn"])
 def test_causality(attention):
     # Changing token t0 must leave the logits at positions < t0 untouched and change those >= t0.
     cfg = small_config(attention=attention)
