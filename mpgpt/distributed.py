@@ -129,6 +129,17 @@ def fsdp_mixed_precision(policy):
     return MixedPrecisionPolicy(param_dtype=policy.autocast_dtype, reduce_dtype=torch.float32)
 
 
+def ddp_bucket_mb(cfg: TrainConfig) -> float:
+    """DDP's all-reduce bucket size in MB: ``cfg.ddp_bucket_mb``, else 25 eager and 100 compiled.
+
+    25 MB is torch's default. Under torch.compile, Dynamo's DDPOptimizer splits the compiled graph
+    at every bucket boundary, so small buckets cost fusion: on two H200s 100 MB buckets gave 1.86x,
+    where the first compiled run with 25 MB buckets gave 1.24x (benchmarks/NOTES-train.md)."""
+    if cfg.ddp_bucket_mb is not None:
+        return float(cfg.ddp_bucket_mb)
+    return 100.0 if cfg.compile else 25.0
+
+
 class DistributedTrainer(Trainer):
     """The trainer on one rank of a DDP or FSDP2 run; see the module docstring for what differs."""
 
@@ -154,8 +165,9 @@ class DistributedTrainer(Trainer):
                      else {"broadcast_buffers": False})
             # gradient_as_bucket_view: the .grad tensors are views into DDP's all-reduce buckets, so
             # no copy into and out of the buckets each step, and one gradient buffer less in memory.
+            self.bucket_mb = ddp_bucket_mb(cfg)
             self.ddp = DDP(self.model, device_ids=[self.device.index] if device_type == "cuda" else None,
-                           bucket_cap_mb=cfg.ddp_bucket_mb, gradient_as_bucket_view=True, **quiet)
+                           bucket_cap_mb=self.bucket_mb, gradient_as_bucket_view=True, **quiet)
             self.forward = torch.compile(self.ddp) if cfg.compile else self.ddp
 
     def _shard(self) -> None:
@@ -404,13 +416,13 @@ def _bench_worker(args) -> None:
                "ms_per_step_min": round(min(times), 3), "ms_per_step_max": round(max(times), 3),
                "tokens_per_s": round(tokens / (ms_v / 1e3)),
                "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
-               "timed_steps": args.steps, "warmup_steps": args.warmup, "ddp_bucket_mb": args.bucket_mb,
+               "timed_steps": args.steps, "warmup_steps": args.warmup, "ddp_bucket_mb": getattr(trainer, "bucket_mb", None),
                "compiled_graph": ("whole" if args.whole_graph else "split at DDP buckets") if spec["compile"] else None}
         Path(args.json).write_text(json.dumps(row))
 
 
 def bench(preset="gpt2", config="bf16", batch_size=12, block_size=None, nproc=None, warmup=10, steps=30,
-          fsdp=True, out_dir=None, tag="ddp", bucket_mb=25.0, whole_graph=False) -> dict:
+          fsdp=True, out_dir=None, tag="ddp", bucket_mb=None, whole_graph=False) -> dict:
     """tokens/s on 1 GPU and on ``nproc`` GPUs (DDP, and FSDP2 if ``fsdp``); scaling efficiency; a JSON file."""
     from mpgpt.bench import write_result
 
@@ -424,7 +436,7 @@ def bench(preset="gpt2", config="bf16", batch_size=12, block_size=None, nproc=No
                    "--batch-size", str(batch_size), "--warmup", str(warmup), "--steps", str(steps), "--json", str(out)]
             cmd += ["--block-size", str(block_size)] if block_size else []
             cmd += ["--fsdp"] if use_fsdp else []
-            cmd += ["--bucket-mb", str(bucket_mb)] + (["--whole-graph"] if whole_graph else [])
+            cmd += (["--bucket-mb", str(bucket_mb)] if bucket_mb else []) + (["--whole-graph"] if whole_graph else [])
             results = launch(cmd, world)
             label = f"{world} GPU{'s' if world > 1 else ''} {'fsdp' if use_fsdp else 'ddp' if world > 1 else ''}"
             failure = first_failure(results)
@@ -473,7 +485,8 @@ def main(argv=None) -> int:
     b.add_argument("--no-fsdp", action="store_true", help="measure DDP only")
     b.add_argument("--out-dir", default=None)
     b.add_argument("--tag", default="ddp")
-    b.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's all-reduce bucket size in MB")
+    b.add_argument("--bucket-mb", type=float, default=None,
+                   help="DDP's all-reduce bucket size in MB (default: the trainer's, 25 eager / 100 compiled)")
     b.add_argument("--whole-graph", action="store_true",
                    help="with compile: one graph, not Dynamo's split at DDP buckets (optimize_ddp=False)")
     w = sub.add_parser("_bench_worker")
@@ -482,7 +495,7 @@ def main(argv=None) -> int:
                                 ("--json", str, None)]:
         w.add_argument(name, type=kind, default=default)
     w.add_argument("--fsdp", action="store_true")
-    w.add_argument("--bucket-mb", type=float, default=25.0)
+    w.add_argument("--bucket-mb", type=float, default=None)
     w.add_argument("--whole-graph", action="store_true")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"] and "-h" not in argv[1:2] and "--help" not in argv[1:2]:

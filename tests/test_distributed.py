@@ -241,3 +241,14 @@ def test_first_failure_reports_the_rank_that_failed_on_its_own():
     assert first_failure([killed, crashed]) == (1, crashed)
     assert first_failure([crashed, killed]) == (0, crashed)
     assert first_failure([killed, ok]) == (0, killed)
+
+
+def test_ddp_bucket_size_default_follows_compile_and_bad_sizes_are_refused():
+    from mpgpt.distributed import ddp_bucket_mb
+
+    assert ddp_bucket_mb(TrainConfig()) == 25.0  # torch's default, eager
+    assert ddp_bucket_mb(TrainConfig(compile=True)) == 100.0  # fewer Dynamo graph splits
+    assert ddp_bucket_mb(TrainConfig(compile=True, ddp_bucket_mb=10)) == 10.0
+    for bad in (0, -5.0):
+        with pytest.raises(ValueError, match="ddp_bucket_mb must be > 0"):
+            TrainConfig(ddp_bucket_mb=bad).validate()
