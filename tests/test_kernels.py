@@ -114,6 +114,46 @@ def test_fp32_output_buffer():
     assert rel_err(out, reference(a, b)) < 1e-5  # fp32 accumulation only
 
 
+@pytest.mark.parametrize("M,N,K,split_k", [(33, 40, 100, 3), (64, 17, 129, 4), (5, 7, 64, 2), (20, 24, 33, 8)])
+def test_split_k_matches_float64(M, N, K, split_k):
+    """Split-K (a weight-gradient layout: A column-major) into fp32 and bf16 outputs. The slices'
+    partials start as NaN in the interpreter, so a slice never written fails. (20, 24, 33, 8): more
+    slices than K-tiles, the extra slices add zeros."""
+    a, b = rand(K, M).t(), rand(K, N)
+    ref = reference(a, b)
+    out32 = torch.full((M, N), float("nan"), device=DEVICE)
+    matmul(a, b, out=out32, split_k=split_k)
+    assert rel_err(out32, ref) < 1e-5  # fp32 partials, fp32 sum: accumulation error only
+    assert rel_err(matmul(a, b, split_k=split_k), ref) < TOL[torch.bfloat16]
+
+
+def test_auto_split_k_only_for_few_tiles_and_long_k():
+    # With 132 SMs (H200): GPT-2's weight gradients (out x in, K = 12288 tokens) are split so
+    # there are at least two waves of programs; the forward and dX shapes (M = 12288) are not.
+    pick = mm._auto_split_k
+    assert pick(768, 768, 12288, 132) == 8        # attn.c_proj dW: 36 tiles
+    assert pick(2304, 768, 12288, 132) == 3       # c_attn dW: 108 tiles
+    assert pick(3072, 768, 12288, 132) == 2       # c_fc dW: 144 tiles
+    assert pick(12288, 768, 768, 132) == 1        # attn.c_proj forward: 576 tiles
+    assert pick(12288, 768, 3072, 132) == 1       # mlp.c_proj dX
+    assert pick(768, 768, 1024, 132) == 1         # short K: nothing to split
+    assert pick(128, 128, 10**6, 132) == 16       # capped
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(3, 1000), (4097,), (2, 3, 5)])
+def test_gelu_backward_matches_float64(dtype, shape):
+    g, z = rand(*shape, dtype=dtype), (3 * torch.randn(*shape, device=DEVICE)).to(dtype)
+    ref = g.double() * gelu_tanh_grad(z).double()
+    out = kernels.gelu_backward(g, z)
+    assert out.shape == g.shape and out.dtype == dtype
+    # one rounding of the fp32 result to dtype (see TOL); fp32: rounding of the fp32 formula
+    assert rel_err(out, ref) < {torch.float32: 1e-6}.get(dtype, TOL.get(dtype))
+    assert kernels.gelu_backward(g[:0], z[:0]).numel() == 0
+    with pytest.raises(ValueError, match="same shape"):
+        kernels.gelu_backward(g, z[..., :1])
+
+
 @pytest.mark.parametrize("call,exc,match", [
     (lambda: matmul(torch.randn(4, 4), torch.randn(4, 4)), TypeError, "bfloat16 or float16"),
     (lambda: matmul(rand(4, 4), rand(4, 4, dtype=torch.float16)), TypeError, "same dtype"),
@@ -124,6 +164,9 @@ def test_fp32_output_buffer():
     (lambda: matmul(rand(4, 4), rand(4, 3), bias=rand(3, dtype=torch.float16)), TypeError, "bias must be"),
     (lambda: matmul(rand(4, 4), rand(4, 3), activation="swish"), ValueError, "tanh approximation"),
     (lambda: matmul(rand(4, 4), rand(4, 3), out=rand(4, 4)), ValueError, "out has shape"),
+    (lambda: matmul(rand(4, 4), rand(4, 3), bias=rand(3), split_k=2), ValueError, "no bias"),
+    (lambda: matmul(rand(4, 4), rand(4, 3), split_k=0), ValueError, "split_k must be"),
+    (lambda: matmul(rand(4, 4), rand(4, 3), split_k=2, kernel="tma"), ValueError, "grouped kernel"),
     (lambda: TritonLinear(4, 3, activation="gelu_exact"), ValueError, "activation"),
     (lambda: TritonLinear.from_linear(nn.Conv1d(1, 1, 1)), TypeError, "nn.Linear"),
 ])
@@ -308,6 +351,24 @@ def test_gpu_matmul_transposed_and_fp16():
             assert rel_err(out, reference(a, b)) < 1e-5, (kernel, dtype)  # fp32 out: accumulation only
             got = matmul(a, b, kernel=kernel)
             assert rel_err(got, reference(a, b)) < TOL[dtype], (kernel, dtype)
+
+
+@pytest.mark.sm80
+def test_gpu_split_k_and_gelu_backward():
+    # The weight-gradient shapes of GPT-2 small (K = 12288 tokens): automatic and forced split-K,
+    # autotuned, against float64; and the fused GELU backward on a (tokens, 3072) tensor.
+    for out_f, in_f in [(768, 768), (2304, 768), (3072, 768)]:
+        g_t, x = rand(12288, out_f).t(), rand(12288, in_f)  # dY^T (column-major), X
+        ref = reference(g_t, x)
+        for split_k in (None, 1, 4):
+            out = torch.full((out_f, in_f), float("nan"), device="cuda")
+            matmul(g_t, x, out=out, split_k=split_k)
+            # fp32 sums of 12288 products: relative error up to ~sqrt(K) * 2^-24 = 7e-6; a missed
+            # slice or tile gives ~1.
+            assert rel_err(out, ref) < 5e-5, (out_f, in_f, split_k)
+    g, z = rand(12288, 3072), (3 * torch.randn(12288, 3072, device="cuda")).to(torch.bfloat16)
+    ref = g.double() * gelu_tanh_grad(z).double()
+    assert rel_err(kernels.gelu_backward(g, z), ref) < 1e-2
 
 
 @pytest.mark.sm80

@@ -9,8 +9,9 @@ interpreter (TRITON_INTERPRET=1, set before any kernel is decorated), and withou
 (macOS, Windows) the entry points raise a RuntimeError that says why.
 """
 from ._env import interpreting, kernels_available  # first: sets TRITON_INTERPRET if needed
+from .gelu import gelu_backward
 from .linear import TritonLinear, gelu_tanh_grad, triton_linear
 from .matmul import ACTIVATIONS, matmul
 
 __all__ = ["matmul", "TritonLinear", "triton_linear", "kernels_available", "interpreting",
-           "gelu_tanh_grad", "ACTIVATIONS"]
+           "gelu_tanh_grad", "gelu_backward", "ACTIVATIONS"]

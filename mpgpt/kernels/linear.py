@@ -6,9 +6,10 @@ Forward is one `matmul` launch with the bias and activation fused into its epilo
 runs the two gradient GEMMs through the same kernel, reading transposed operands in place
 (strided views, no copies):
 
-    dZ = dY * act'(Z)             (M, out)   elementwise, in fp32
+    dZ = dY * act'(Z)             (M, out)   elementwise, in fp32 (GELU: one Triton pass, gelu.py)
     dX = dZ @ W                   (M, in)    Triton
-    dW = dZ^T @ X                 (out, in)  Triton: dZ^T is dZ with its strides swapped
+    dW = dZ^T @ X                 (out, in)  Triton: dZ^T is dZ with its strides swapped; split
+                                             along K (= tokens) when out x in is too few tiles
     db = sum over rows of dZ      (out,)
 
 Which dtype runs, so the layer is a drop-in for nn.Linear in every setting the course uses:
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .gelu import gelu_backward
 from .matmul import ACTIVATIONS, _check, _matmul_2d
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -96,7 +98,7 @@ def _make_function(device_type: str):
             dtype = w_lp.dtype
             g = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)  # (M, out)
             if ctx.activation == "gelu":
-                g = (g.float() * gelu_tanh_grad(saved)).to(dtype)  # dZ, the derivative in fp32
+                g = gelu_backward(g, saved)  # dZ: one Triton pass, the derivative in fp32 (gelu.py)
             elif ctx.activation == "relu":
                 g = g * (saved > 0)  # exact in any dtype
             if not g.is_contiguous():
@@ -112,7 +114,7 @@ def _make_function(device_type: str):
                                  device=g.device)
                 _matmul_2d(g.t(), x2, dw)  # (out, M) @ (M, in): g.t() is a strided view
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                db = g.float().sum(0).to(ctx.b_dtype)
+                db = g.sum(0, dtype=torch.float32).to(ctx.b_dtype)  # fp32 sum, no fp32 copy of g
             return dx, dw, db, None, None
 
     _TritonLinearFunction.__name__ = f"TritonLinearFunction_{device_type}"

@@ -155,30 +155,39 @@ def _matmul_kernel(
     stride_bk, stride_bn,           # B[k, n] likewise (a transposed view just swaps these)
     stride_cm, stride_cn,
     stride_zm, stride_zn,
+    stride_cs,                      # split-K: C holds SPLIT_K fp32 partial sums, this far apart
     HAS_BIAS: tl.constexpr,         # add bias before the activation
     ACTIVATION: tl.constexpr,       # "" (none), "gelu" (tanh approximation) or "relu"
     STORE_Z: tl.constexpr,          # also write z = A@B + bias (what GELU's backward needs)
     UPCAST: tl.constexpr,           # interpreter: convert tiles to fp32 before tl.dot
+    SPLIT_K: tl.constexpr,          # programs along K per output tile (1: the whole K in one)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # tile sizes
     GROUP_M: tl.constexpr,          # rows of tiles per group in the grouped ordering
 ):
     pid = tl.program_id(axis=0)
+    pid_k = tl.program_id(axis=1)   # which slice of K this program sums (0 without split-K)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
+    # Split-K: the K-tiles [k_first, k_last) are this program's share; the host adds the shares.
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
+    k_first = pid_k * tiles_per_split
+    k_last = tl.minimum(k_first + tiles_per_split, k_tiles)
 
     # Rows/columns past the edge wrap around (% M, % N) so the loads need no mask there: they
     # read valid memory, and the results for those rows are dropped by the masked store below.
     offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
     offs_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = k_first * BLOCK_K + tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak  # (BLOCK_M, BLOCK_K)
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn  # (BLOCK_K, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
 
     # fp32 accumulator: each bf16 x bf16 product is exact in fp32, and the long sum along K keeps
     # fp32's 24 significant bits instead of bf16's 8.
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(k_first, k_last):
         # The K edge must be masked (a wrapped k would add wrong products): other=0 adds nothing.
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
@@ -194,7 +203,7 @@ def _matmul_kernel(
     offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     z, y = _epilogue(acc, bias_ptr, offs_cn, N, HAS_BIAS, ACTIVATION)
     mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
-    c_ptrs = c_ptr + offs_cm[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+    c_ptrs = c_ptr + pid_k * stride_cs + offs_cm[:, None] * stride_cm + offs_cn[None, :] * stride_cn
     tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=mask)  # one rounding, fp32 -> out dtype
     if STORE_Z:
         z_ptrs = z_ptr + offs_cm[:, None] * stride_zm + offs_cn[None, :] * stride_zn
@@ -270,9 +279,12 @@ def _matmul_kernel_tma(
 
 # Autotuned launchers (compiled mode). The key names the arguments whose values select a
 # config; Triton adds the tensors' dtypes to it.
-_matmul_grouped = triton.autotune(configs=_HOPPER + _AMPERE, key=["M", "N", "K"],
+# The epilogue flags are part of the key: a GELU epilogue needs registers that a plain store does
+# not, so the best tile can differ between them for the same (M, N, K).
+_EPILOGUE_KEY = ["HAS_BIAS", "ACTIVATION", "STORE_Z"]
+_matmul_grouped = triton.autotune(configs=_HOPPER + _AMPERE, key=["M", "N", "K", "SPLIT_K"] + _EPILOGUE_KEY,
                                   prune_configs_by={"early_config_prune": _prune_by_arch})(_matmul_kernel)
-_matmul_tma = triton.autotune(configs=_TMA, key=["M", "N", "K", "A_T", "B_T"])(_matmul_kernel_tma)
+_matmul_tma = triton.autotune(configs=_TMA, key=["M", "N", "K", "A_T", "B_T"] + _EPILOGUE_KEY)(_matmul_kernel_tma)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,7 +292,7 @@ _matmul_tma = triton.autotune(configs=_TMA, key=["M", "N", "K", "A_T", "B_T"])(_
 # ----------------------------------------------------------------------------------------------
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
            activation: str | None = None, *, out: torch.Tensor | None = None,
-           kernel: str = "auto") -> torch.Tensor:
+           kernel: str = "auto", split_k: int | None = None) -> torch.Tensor:
     """act(a @ b + bias) with fp32 accumulation, returned in a's dtype.
 
     a: (..., K) bf16 or fp16; leading dimensions are flattened (no copy when they can be viewed).
@@ -291,6 +303,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     kernel: "auto" (on Hopper, the persistent TMA kernel for a row-major a and b = w.t(), the
         layout checked on the H200; the grouped kernel otherwise), "grouped", or "tma" (any
         16-byte-aligned layout; to compare them).
+    split_k: programs that share one output tile, each summing a slice of K into an fp32
+        partial that the host then adds (grouped kernel; no bias or activation). None chooses
+        from the shape on a GPU: more than 1 only when there are too few output tiles to fill
+        the GPU and K is long, the shape of a weight gradient dW = dY^T X (out x in, K = tokens).
 
     Runs compiled on CUDA GPUs with compute capability >= 8.0, and through Triton's interpreter
     on CPU tensors when no GPU is present. On sm_70/75 GPUs (V100, T4) bf16 raises a RuntimeError
@@ -308,7 +324,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         if out.dtype not in (a.dtype, torch.float32) or out.device != a.device:
             raise ValueError(f"out must be {a.dtype} or float32 on {a.device}, got {out.dtype} on {out.device}")
         c = out.view(M, N) if out.dim() != 2 else out
-    _matmul_2d(a2, b, c, bias=bias, activation=activation, kernel=kernel)
+    if split_k is not None and (not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1):
+        raise ValueError(f"split_k must be a positive int or None (chosen from the shape), got {split_k!r}")
+    _matmul_2d(a2, b, c, bias=bias, activation=activation, kernel=kernel, split_k=split_k)
     return out if out is not None else c.view(out_shape)
 
 
@@ -356,7 +374,18 @@ def _check(a, b, bias, activation):
     return a2, b, bias, out_shape
 
 
-def _matmul_2d(a, b, c, bias=None, z=None, activation=None, kernel="auto"):
+def _auto_split_k(M, N, K, num_sms) -> int:
+    """Split K when the output has too few 128x128 tiles for two waves over the multiprocessors
+    and K is long: then every program would run a long K loop while most SMs sit idle. Each
+    split adds an fp32 (M, N) partial (small: this is only chosen when M x N is small)."""
+    tiles = triton.cdiv(M, 128) * triton.cdiv(N, 128)
+    target = 2 * num_sms
+    if tiles >= target or K < 2048:
+        return 1
+    return max(1, min(triton.cdiv(target, tiles), K // 512, 16))
+
+
+def _matmul_2d(a, b, c, bias=None, z=None, activation=None, kernel="auto", split_k=None):
     """Launch on 2-D a (M, K), b (K, N) into c (M, N); z (M, N) receives the pre-activation."""
     M, K = a.shape
     N = b.shape[1]
@@ -370,6 +399,31 @@ def _matmul_2d(a, b, c, bias=None, z=None, activation=None, kernel="auto"):
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     flags = dict(HAS_BIAS=bias is not None, ACTIVATION=activation or "", STORE_Z=z is not None)
+    epilogue = bias is not None or activation is not None or z is not None
+    if split_k is None:
+        split_k = 1 if (epilogue or kernel == "tma" or interpreting()) else _auto_split_k(M, N, K, _num_sms(a.device))
+    if split_k > 1:
+        if epilogue:
+            raise ValueError("split_k > 1 adds fp32 partial sums after the kernel: it takes no bias, activation "
+                             "or z; use split_k=1")
+        if kernel == "tma":
+            raise ValueError("split_k > 1 runs on the grouped kernel; use kernel='grouped' or 'auto'")
+        # The K slices write fp32 partials side by side; their sum, rounded once, is the result.
+        # (NaN-filled in the interpreter, as a test's poison: an unwritten slice cannot pass.)
+        fill = torch.full if interpreting() else lambda shape, _, **kw: torch.empty(shape, **kw)
+        parts = fill((split_k, M, N), float("nan"), dtype=torch.float32, device=a.device)
+        _matmul_2d_launch(a, b, parts[0], None, None, flags, "grouped", split_k, parts.stride(0))
+        if c.dtype == torch.float32 and c.is_contiguous():
+            torch.sum(parts, dim=0, out=c)
+        else:
+            c.copy_(parts.sum(0))  # (M, N): one rounding to c's dtype
+        return c
+    return _matmul_2d_launch(a, b, c, bias, z, flags, kernel, 1, 0)
+
+
+def _matmul_2d_launch(a, b, c, bias, z, flags, kernel, split_k, stride_cs):
+    M, K = a.shape
+    N = b.shape[1]
     bias_arg = bias if bias is not None else c  # never read when HAS_BIAS is False
     z_arg = z if z is not None else c
     zs = z.stride() if z is not None else (0, 0)
@@ -387,9 +441,9 @@ def _matmul_2d(a, b, c, bias=None, z=None, activation=None, kernel="auto"):
         c32, z32 = scratch(c), scratch(z)
         z_arg = z32 if z32 is not None else c32
         zs = z32.stride() if z32 is not None else (0, 0)
-        grid = (triton.cdiv(M, _INTERPRET_BLOCK["BLOCK_M"]) * triton.cdiv(N, _INTERPRET_BLOCK["BLOCK_N"]),)
+        grid = (triton.cdiv(M, _INTERPRET_BLOCK["BLOCK_M"]) * triton.cdiv(N, _INTERPRET_BLOCK["BLOCK_N"]), split_k)
         _matmul_kernel[grid](a, b, c32, bias_arg, z_arg, M, N, K, *a.stride(), *b.stride(), *c32.stride(),
-                             *zs, UPCAST=True, **flags, **_INTERPRET_BLOCK)
+                             *zs, stride_cs, UPCAST=True, SPLIT_K=split_k, **flags, **_INTERPRET_BLOCK)
         if c32 is not c:
             c.copy_(c32)
         if z is not None and z32 is not z:
@@ -417,9 +471,9 @@ def _matmul_2d(a, b, c, bias=None, z=None, activation=None, kernel="auto"):
                      A_T=a_t, B_T=b_t, NUM_SMS=num_sms, **flags, **fixed)
         return c
     launch, fixed = _launcher(_matmul_grouped, _matmul_kernel, _FIXED_GROUPED)
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-    launch[grid](a, b, c, bias_arg, z_arg, M, N, K, *a.stride(), *b.stride(), *c.stride(), *zs,
-                 UPCAST=False, **flags, **fixed)
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), split_k)
+    launch[grid](a, b, c, bias_arg, z_arg, M, N, K, *a.stride(), *b.stride(), *c.stride(), *zs, stride_cs,
+                 UPCAST=False, SPLIT_K=split_k, **flags, **fixed)
     return c
 
 
