@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Short final call on one H200 (with .whl carried): the fp16/bf16 rows again after the scaler's
-# no-sync change, then every chapter notebook executed on the GPU, all at once.
+# One call on one H200 (kind nvidia-h200, .whl carried), after split-K, the fused GELU backward and
+# the new TMA configs: GPU tests, the kernel benchmark (and with TMA for every layout), the host-
+# overhead probe, and the training rows with the Triton kernels plus a profile of the fastest row.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=/tmp/logs; mkdir -p $LOG
@@ -8,14 +9,16 @@ python3 -m pip install -q --no-index --find-links .whl --target /tmp/site nbclie
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 t0=$(date +%s)
-timeout 95 python3 -m mpgpt.bench train --configs fp16,fp16-gradscaler,bf16,fp16+compile,bf16+compile \
-  --warmup 10 --steps 30 --out-dir "$OUT" --tag train 2>&1 | tee $LOG/bench_train.log | grep "|"
-echo "ladder: $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-mkdir -p nbgpu && cp notebooks/*.ipynb nbgpu/
-for nb in nbgpu/0[2-8]*.ipynb; do
-  ( timeout 115 python3 scripts/run_notebook.py "$nb" > "$nb.log" 2>&1; echo "exit $?" >> "$nb.log" ) &
-done
-wait
-echo "notebooks: $(( $(date +%s) - t0 )) s"
-for f in nbgpu/*.log; do echo "== $f"; grep -v "^\s*$" "$f" | tail -2; done | tee $LOG/notebooks_gpu.log
-cp -r nbgpu $LOG/ && tar czf "$OUT/logs_and_gpu_notebooks.tgz" -C /tmp logs
+MPGPT_AUTOTUNE=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or sm80" tests/test_kernels.py tests/test_model.py \
+  2>&1 | tee $LOG/gpu_tests.log | tail -3
+echo "gpu tests: $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
+timeout 150 python3 -m mpgpt.bench kernels --out-dir "$OUT" 2>&1 | tee $LOG/kernels.log | grep -v "^\s*$" | tail -22
+MPGPT_TRITON_TMA=all timeout 80 python3 -m mpgpt.bench kernels --skip matmul,fused --tag kernels-tma-all --out-dir "$OUT" \
+  2>&1 | tee $LOG/kernels_tma_all.log | grep "fwd+bwd"
+timeout 60 python3 benchmarks/kernel_probe.py "$OUT/kernel-probe-v2_nvidia-h200_2026-11-30.json" > $LOG/probe.log 2>&1
+grep "triton matmul()\|torch.matmul" $LOG/probe.log | cut -c1-160
+echo "kernels: $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
+timeout 230 python3 -m mpgpt.bench train --configs bf16+compile-nobias,bf16+triton,bf16+compile+triton \
+  --profile bf16+compile-nobias --warmup 10 --steps 30 --out-dir "$OUT" --tag train-triton 2>&1 | tee $LOG/train.log | grep "tok/s\|rror"
+echo "train rows: $(( $(date +%s) - t0 )) s"
+tar czf "$OUT/final_logs.tgz" -C /tmp logs

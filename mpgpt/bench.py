@@ -104,6 +104,7 @@ TRAIN_CONFIGS = {
     "bf16+compile+cudagraphs": _config("bf16", compile="reduce-overhead"),
     "bf16+compile+chunked-loss": _config("bf16", compile="default", chunked_loss=2048),
     "bf16+compile+triton": _config("bf16", compile="default", triton=True),
+    "bf16+triton": _config("bf16", triton=True),
     "bf16+cudnn-attn": _config("bf16", attention="cudnn"),
     "bf16+compile+cudnn-attn": _config("bf16", compile="default", attention="cudnn"),
     # Everything above that can combine, on nanoGPT's bias-free model.

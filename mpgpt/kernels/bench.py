@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import sys
@@ -179,6 +180,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="where the JSON result goes")
     parser.add_argument("--kernels", default="grouped,tma,auto",
                         help="comma-separated: grouped, tma (Hopper only), auto")
+    parser.add_argument("--tag", default="kernels", help="file name prefix of the result file")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: matmul, fused, triton (TritonLinear fwd+bwd)")
     args = parser.parse_args(argv)
 
@@ -200,7 +202,8 @@ def main(argv=None) -> int:
     result = {"environment": env, "kernels": kernels}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^a-z0-9]+", "-", env["gpu"].lower()).strip("-")
-    path = args.out_dir / f"kernels_{slug}_{env['date'][:10]}.json"
+    path = args.out_dir / f"{args.tag}_{slug}_{env['date'][:10]}.json"
+    env["MPGPT_TRITON_TMA"] = os.environ.get("MPGPT_TRITON_TMA", "1")
     parts = [("matmul", lambda: bench_matmul(kernels, GPT2_SHAPES + SQUARE_SHAPES)),
              ("fused_bias_gelu", lambda: bench_fused(kernels)),
              ("triton_linear_fwd_bwd", bench_linear)]

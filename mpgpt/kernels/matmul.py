@@ -94,6 +94,11 @@ _TMA = [
     _cfg(128, 128, 64, 4, 8, arch="sm90"),
     _cfg(128, 128, 64, 4, 4, arch="sm90"),
     _cfg(128, 128, 128, 3, 8, arch="sm90"),
+    # Smaller tiles for N = 768 outputs (attn.c_proj, mlp.c_proj): 576 tiles of 128x128 are 4.4
+    # waves over 132 SMs, so the last wave runs 36 % full; 128x64 gives 8.7 waves.
+    _cfg(128, 64, 64, 4, 4, arch="sm90"),
+    _cfg(128, 64, 128, 3, 4, arch="sm90"),
+    _cfg(64, 128, 64, 4, 4, arch="sm90"),
 ]
 # The interpreter runs one program at a time in numpy: a fixed small tile, no autotuning.
 _INTERPRET_BLOCK = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
@@ -450,9 +455,9 @@ def _matmul_2d_launch(a, b, c, bias, z, flags, kernel, split_k, stride_cs):
             z.copy_(z32)
         return c
 
-    want_tma = kernel == "tma" or (kernel == "auto" and _TMA_AUTO)
+    want_tma = kernel == "tma" or (kernel == "auto" and _TMA_AUTO != "0")
     tma = _tma_layout(a, b, M, N, K) if want_tma else None
-    if kernel == "auto" and tma is not None and (tma[0][0], tma[1][0]) != (False, True):
+    if kernel == "auto" and _TMA_AUTO != "all" and tma is not None and (tma[0][0], tma[1][0]) != (False, True):
         # "auto" takes the TMA kernel only for the layout verified on the H200 so far: A row-major
         # and B = w.t() (every forward pass). The backward layouts (dX: B row-major; dW: A = dY^T)
         # compiled and ran there but were not yet checked against a reference, so they stay on
@@ -495,8 +500,9 @@ def _launcher(tuned, plain, fixed):
     return plain, fixed
 
 
-# The TMA kernel is used by kernel="auto" on sm_90 unless MPGPT_TRITON_TMA=0.
-_TMA_AUTO = os.environ.get("MPGPT_TRITON_TMA", "1") != "0"
+# kernel="auto" on sm_90: MPGPT_TRITON_TMA=1 (default) takes the TMA kernel for the forward layout,
+# "all" for every layout it can read (the backward GEMMs too), "0" never.
+_TMA_AUTO = os.environ.get("MPGPT_TRITON_TMA", "1")
 
 
 def _tma_layout(a, b, M, N, K):
