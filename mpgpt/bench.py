@@ -328,6 +328,10 @@ def _print_table(rows):
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["kernels"]:  # handed over whole: argparse's REMAINDER reorders "--opt value" pairs
+        from mpgpt.kernels import bench as kbench
+        return kbench.main(argv[1:]) or 0
     parser = argparse.ArgumentParser(prog="python -m mpgpt.bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     t = sub.add_parser("train", help="training throughput across precisions")
@@ -347,10 +351,7 @@ def main(argv=None) -> int:
     t.add_argument("--tag", default="train", help="file name prefix of the result file")
     k = sub.add_parser("kernels", help="Triton matmul against cuBLAS", add_help=False)
     k.add_argument("rest", nargs=argparse.REMAINDER)
-    args, rest = parser.parse_known_args(argv)
-    if args.what == "kernels":
-        from mpgpt.kernels import bench as kbench
-        return kbench.main(args.rest + rest) or 0
+    args = parser.parse_args(argv)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     rows = bench_train(names, args.preset, args.batch_size, args.block_size, args.warmup, args.steps,
                        args.activation_checkpointing, args.profile)

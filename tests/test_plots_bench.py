@@ -118,3 +118,15 @@ def test_plot_real_run_draws_every_tenth_step_and_the_floor():
     plt.close(fig)
     with pytest.raises(ValueError, match="real_run"):
         plots.plot_real_run(_result("NVIDIA H200", "2026-11-30"))
+
+
+def test_bench_kernels_subcommand_passes_its_options_through(tmp_path, capsys, monkeypatch):
+    # `python -m mpgpt.bench kernels --out-dir DIR` once reached the kernel benchmark with its
+    # option and value reordered (an argparse error). Now they arrive intact and in order.
+    from mpgpt import bench
+    from mpgpt.kernels import bench as kbench
+
+    seen = {}
+    monkeypatch.setattr(kbench, "main", lambda argv: seen.setdefault("argv", argv) and 0)
+    assert bench.main(["kernels", "--out-dir", str(tmp_path), "--tag", "x"]) == 0
+    assert seen["argv"] == ["--out-dir", str(tmp_path), "--tag", "x"]
