@@ -84,9 +84,9 @@ def write_result(kind: str, payload: dict, out_dir=None) -> Path:
 # name -> how the step runs. compile: None (eager) or a torch.compile mode ("default",
 # "reduce-overhead" = CUDA graphs); bias=False matches nanoGPT's bench.py model.
 def _config(precision, scaler="none", compile=None, triton=False, bias=True, checkpointing=False, chunked_loss=0,
-            attention="sdpa"):
+            attention="sdpa", clip=True):
     return dict(precision=precision, scaler=scaler, compile=compile, triton=triton, bias=bias,
-                checkpointing=checkpointing, chunked_loss=chunked_loss, attention=attention)
+                checkpointing=checkpointing, chunked_loss=chunked_loss, attention=attention, clip=clip)
 
 
 TRAIN_CONFIGS = {
@@ -96,6 +96,8 @@ TRAIN_CONFIGS = {
     "fp16-gradscaler": _config("fp16", "torch"),
     "bf16": _config("bf16"),
     "bf16-nobias": _config("bf16", bias=False),
+    # nanoGPT's bench.py step exactly: no biases and no gradient clipping.
+    "bf16-nobias-noclip": _config("bf16", bias=False, clip=False),
     "bf16+checkpointing": _config("bf16", checkpointing=True),
     "fp16+compile": _config("fp16", "dynamic", compile="default"),
     "fp16-gradscaler+compile": _config("fp16", "torch", compile="default"),
@@ -141,7 +143,8 @@ def _make_trainer(name, preset, batch_size, block_size, device, checkpointing=Fa
     cfg = TrainConfig(preset=preset, precision=spec["precision"],
                       scaler="dynamic" if spec["scaler"] == "torch" else spec["scaler"],
                       batch_size=batch_size, block_size=block_size, compile=False, device=str(device),
-                      progress=False, sample_tokens=0, steps=10**9, warmup_steps=10, lr=6e-4)
+                      progress=False, sample_tokens=0, steps=10**9, warmup_steps=10, lr=6e-4,
+                      grad_clip=1.0 if spec["clip"] else 0.0)
     overrides = {"block_size": block_size} if block_size else {}
     model = GPT(GPTConfig.preset(preset, bias=spec["bias"], attention=spec["attention"], **overrides))
     data = _SyntheticTokens(model.config.vocab_size, batch_size, model.config.block_size, device)

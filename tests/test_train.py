@@ -208,3 +208,20 @@ def test_resume_refuses_a_different_batch_size(tmp_path):
     Trainer(_cfg(steps=2, out_dir=str(tmp_path))).run()
     with pytest.raises(CheckpointError, match="global batch of 4 sequences.*use --batch-size 4"):
         Trainer(_cfg(batch_size=8)).load(tmp_path / "ckpt.pt")
+
+
+def test_gradient_norm_is_reported_and_clipping_applies_only_when_asked():
+    # One step with clipping to a tiny max norm and one without. Both report the pre-clipping norm
+    # (checked against a float64 computation); what AdamW received shows in its first moment,
+    # exp_avg = (1 - beta1) * gradient after step 1: clipped to 1e-3 only when asked.
+    for clip in (0.0, 1e-3):
+        t = Trainer(_cfg(grad_clip=clip, lr=1e-2, warmup_steps=0))
+        grads = {}
+        _, grad_norm, _ = t.train_step(after_backward=lambda step, model: grads.update(
+            g=[p.grad.detach().double().clone() for p in t.params]))
+        expected = torch.sqrt(sum((g ** 2).sum() for g in grads["g"])).item()
+        assert expected > 1e-2  # so that clipping to 1e-3 does something
+        assert math.isclose(grad_norm.item(), expected, rel_tol=1e-5)
+        m = torch.sqrt(sum((t.optimizer.state[p]["exp_avg"].double() ** 2).sum() for p in t.params)).item()
+        received = m / (1 - t.cfg.beta1)
+        assert math.isclose(received, clip if clip else expected, rel_tol=1e-4), (clip, received)
