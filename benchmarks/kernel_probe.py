@@ -5,9 +5,14 @@ For the GPT-2 shapes with N = 768 (attn.c_proj, mlp.c_proj) this prints, per pat
   - the same with the wrapper's checks skipped (`_matmul_2d`),
   - the kernel alone: the wrapper captured once in a CUDA graph and replayed (no host work),
   - host time per call: 2000 calls back to back, no synchronisation inside, divided by 2000,
-and torch.matmul (cuBLAS) the same ways. Run on a GPU: python benchmarks/kernel_probe.py
+and torch.matmul (cuBLAS) the same ways. With --host-profile it also prints where the host time
+of `matmul()` goes: cProfile over 1000 calls at attn.c_proj's shape, the functions with the most
+own time. Run on a GPU: python benchmarks/kernel_probe.py [OUT.json] [--host-profile]
 """
+import cProfile
+import io
 import json
+import pstats
 import sys
 import time
 
@@ -63,7 +68,22 @@ def main():
                    "tflops_graph": round(2 * M * N * K / (ms_graph * 1e-3) / 1e12, 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    out = sys.argv[1] if len(sys.argv) > 1 else None
+    if "--host-profile" in sys.argv:
+        a = torch.randn(12288, 768, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(768, 768, device="cuda", dtype=torch.bfloat16).t()
+        matmul(a, b)
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(1000):
+            matmul(a, b)
+        prof.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        print(text.getvalue(), flush=True)
+    args = [x for x in sys.argv[1:] if not x.startswith("--")]
+    out = args[0] if args else None
     if out:
         from mpgpt.bench import environment
         with open(out, "w") as f:

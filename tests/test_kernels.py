@@ -184,6 +184,7 @@ def test_error_without_triton(monkeypatch):
 def test_error_on_old_gpu_names_it(monkeypatch):
     """bf16 on a T4 (sm_75) gives one line naming the GPU and the way out; fp16 is let through."""
     monkeypatch.setattr(_env, "interpreting", lambda: False)
+    monkeypatch.setattr(_env, "_CAPABILITY", {})  # the per-device cache: empty, so the fake is asked
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
     fake = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)

@@ -121,6 +121,17 @@ def kernels_available() -> tuple[bool, str]:
     return True, f"Triton {triton.__version__} compiled for {name} (sm_{cc[0]}{cc[1]})"
 
 
+_CAPABILITY: dict = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """torch.cuda.get_device_capability, cached per device: asked on every kernel launch."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return _CAPABILITY[idx]
+
+
 def check_device(t: torch.Tensor) -> None:
     """Raise a one-line RuntimeError if the kernels cannot run on `t`'s device in `t`'s dtype."""
     if TRITON_IMPORT_ERROR is not None:
@@ -135,7 +146,7 @@ def check_device(t: torch.Tensor) -> None:
             f"Triton kernels run on CUDA tensors (got a {t.device.type} tensor); move it with "
             ".cuda(), or set TRITON_INTERPRET=1 before importing mpgpt to use the CPU interpreter"
         )
-    cc = torch.cuda.get_device_capability(t.device)
+    cc = _capability(t.device)
     if cc >= (8, 0):
         return
     name = torch.cuda.get_device_name(t.device)

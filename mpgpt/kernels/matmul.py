@@ -43,7 +43,7 @@ import os
 
 import torch
 
-from ._env import TRITON_IMPORT_ERROR, check_device, interpreting, tl, triton
+from ._env import TRITON_IMPORT_ERROR, _capability, check_device, interpreting, tl, triton
 
 ACTIVATIONS = (None, "gelu", "relu")
 KERNELS = ("auto", "grouped", "tma")
@@ -510,7 +510,7 @@ def _tma_layout(a, b, M, N, K):
 
     A TMA descriptor needs a 16-byte-aligned base, a unit stride in its last dimension and the
     other stride a multiple of 16 bytes."""
-    if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device) < (9, 0):
+    if a.device.type != "cuda" or _capability(a.device) < (9, 0):
         return None
     if min(M, N, K) < 16:
         return None
