@@ -16,7 +16,9 @@ What changes against one process (:class:`DistributedTrainer`, a subclass of ``m
 * **Gradients.** DDP averages the gradients over the ranks during ``backward()`` (all-reduce in
   buckets, overlapped with the rest of the backward pass), in the gradients' dtype: fp32 under
   autocast, because autocast leaves the weights — and so their gradients — in fp32. With gradient
-  accumulation, ``no_sync()`` skips the all-reduce on every micro-batch but the last.
+  accumulation, ``no_sync()`` skips the all-reduce on every micro-batch but the last. The
+  ``.grad`` tensors are views into DDP's buckets (``gradient_as_bucket_view``: no copy in and out
+  of the buckets); buckets are 25 MB eager and 100 MB under ``--compile`` (:func:`ddp_bucket_mb`).
   FSDP2 (``fully_shard``) instead keeps each rank's *shard* of the fp32 parameters (the master
   weights, and the optimizer state, are sharded: 1/N of the memory each), all-gathers them in
   ``param_dtype`` (bf16) just before each block runs, and reduce-scatters the gradients in
