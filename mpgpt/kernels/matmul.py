@@ -29,7 +29,7 @@ Two kernels:
    the device (`tl.make_tensor_descriptor`), so tiles arrive by the bulk-copy engine; edges
    are zero-filled by the hardware instead of masked. Needs 16-byte-aligned operands with one
    unit stride each; otherwise we fall back to kernel 1. `kernel="auto"` uses it for the
-   forward layout (x @ w.t()) only, the one checked against a reference on the H200.
+   forward layout (x @ w.t()) only: the backward layouts were no faster with it on the H200.
 
 Interpreter: without a CUDA GPU, mpgpt sets TRITON_INTERPRET=1 before these kernels are
 decorated (see _env.py). The interpreter stores bf16 as raw uint16 bits, so `tl.dot` and
@@ -306,8 +306,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     activation: None, "relu", or "gelu" (the tanh approximation, = nn.GELU(approximate="tanh")).
     out: optional preallocated (..., N) result, a's dtype or fp32 (any strides).
     kernel: "auto" (on Hopper, the persistent TMA kernel for a row-major a and b = w.t(), the
-        layout checked on the H200; the grouped kernel otherwise), "grouped", or "tma" (any
-        16-byte-aligned layout; to compare them).
+        forward layout, where it measured fastest; the grouped kernel otherwise), "grouped", or
+        "tma" (any 16-byte-aligned layout; to compare them).
     split_k: programs that share one output tile, each summing a slice of K into an fp32
         partial that the host then adds (grouped kernel; no bias or activation). None chooses
         from the shape on a GPU: more than 1 only when there are too few output tiles to fill
@@ -458,10 +458,10 @@ def _matmul_2d_launch(a, b, c, bias, z, flags, kernel, split_k, stride_cs):
     want_tma = kernel == "tma" or (kernel == "auto" and _TMA_AUTO != "0")
     tma = _tma_layout(a, b, M, N, K) if want_tma else None
     if kernel == "auto" and _TMA_AUTO != "all" and tma is not None and (tma[0][0], tma[1][0]) != (False, True):
-        # "auto" takes the TMA kernel only for the layout verified on the H200 so far: A row-major
-        # and B = w.t() (every forward pass). The backward layouts (dX: B row-major; dW: A = dY^T)
-        # compiled and ran there but were not yet checked against a reference, so they stay on
-        # the grouped kernel, whose strided path was checked. kernel="tma" forces it.
+        # "auto" takes the TMA kernel only for the forward layout (A row-major, B = w.t()). The
+        # backward layouts (dX: B row-major; dW: A = dY^T) pass their float64 checks on the H200
+        # too, but measured no faster there (MPGPT_TRITON_TMA=all, benchmarks/NOTES-kernels.md),
+        # so they stay on the grouped kernel, which can also split K. kernel="tma" forces it.
         tma = None
     if kernel == "tma" and tma is None:
         raise ValueError("the TMA kernel needs a Hopper GPU (sm_90), 16-byte-aligned operands with a unit "
