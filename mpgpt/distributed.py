@@ -418,8 +418,10 @@ def _bench_worker(args) -> None:
                "ms_per_step_min": round(min(times), 3), "ms_per_step_max": round(max(times), 3),
                "tokens_per_s": round(tokens / (ms_v / 1e3)),
                "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
-               "timed_steps": args.steps, "warmup_steps": args.warmup, "ddp_bucket_mb": getattr(trainer, "bucket_mb", None),
-               "compiled_graph": ("whole" if args.whole_graph else "split at DDP buckets") if spec["compile"] else None}
+               "timed_steps": args.steps, "warmup_steps": args.warmup,
+               "ddp_bucket_mb": getattr(trainer, "bucket_mb", None),
+               "compiled_graph": (("whole" if args.whole_graph else "split at DDP buckets")
+                                  if spec["compile"] else None)}
         Path(args.json).write_text(json.dumps(row))
 
 
