@@ -28,8 +28,10 @@ import torch.utils.checkpoint
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # SDPA's backends with cuDNN's first, for attention="cudnn" (the rest keep their usual order).
+# set_priority arrived in torch 2.6; before it the list only enables backends (all of them here).
 _CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                 SDPBackend.MATH]
+_PRIORITY = {"set_priority": True} if "set_priority" in inspect.signature(sdpa_kernel).parameters else {}
 
 __all__ = ["GPTConfig", "GPT", "PRESETS"]
 
@@ -123,7 +125,7 @@ class CausalSelfAttention(nn.Module):
             # One fused kernel (flash / memory-efficient attention where available). "cudnn" puts
             # cuDNN's fused attention first in SDPA's order of preference on CUDA.
             cudnn_first = self.attention == "cudnn" and q.is_cuda
-            with sdpa_kernel(_CUDNN_FIRST, set_priority=True) if cudnn_first else contextlib.nullcontext():
+            with sdpa_kernel(_CUDNN_FIRST, **_PRIORITY) if cudnn_first else contextlib.nullcontext():
                 y = F.scaled_dot_product_attention(
                     q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
                 )  # (B, nh, T, hs)

@@ -318,7 +318,11 @@ class Trainer:
         if cfg.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
         else:  # the norm only, for the log: a few multi-tensor kernels, as inside clip_grad_norm_
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
+                grad_norm = torch.nn.utils.get_total_norm(grads)
+            else:
+                grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
         self.scaler.step(self.optimizer)
         self.scaler.update()
         if self.master is not None:
