@@ -405,8 +405,9 @@ def _matmul_2d(a, b, c, bias=None, z=None, activation=None, kernel="auto", split
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     flags = dict(HAS_BIAS=bias is not None, ACTIVATION=activation or "", STORE_Z=z is not None)
     epilogue = bias is not None or activation is not None or z is not None
+    interp = interpreting()  # an environment read: once per call, not once per decision
     if split_k is None:
-        split_k = 1 if (epilogue or kernel == "tma" or interpreting()) else _auto_split_k(M, N, K, _num_sms(a.device))
+        split_k = 1 if (epilogue or kernel == "tma" or interp) else _auto_split_k(M, N, K, _num_sms(a.device))
     if split_k > 1:
         if epilogue:
             raise ValueError("split_k > 1 adds fp32 partial sums after the kernel: it takes no bias, activation "
@@ -414,26 +415,26 @@ def _matmul_2d(a, b, c, bias=None, z=None, activation=None, kernel="auto", split
         if kernel == "tma":
             raise ValueError("split_k > 1 runs on the grouped kernel; use kernel='grouped' or 'auto'")
         # The K slices write fp32 partials side by side; their sum, rounded once, is the result.
-        # (NaN-filled in the interpreter, as a test's poison: an unwritten slice cannot pass.)
-        fill = torch.full if interpreting() else lambda shape, _, **kw: torch.empty(shape, **kw)
-        parts = fill((split_k, M, N), float("nan"), dtype=torch.float32, device=a.device)
-        _matmul_2d_launch(a, b, parts[0], None, None, flags, "grouped", split_k, parts.stride(0))
+        parts = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
+        if interp:
+            parts.fill_(float("nan"))  # a test's poison: a slice the kernel never writes cannot pass
+        _matmul_2d_launch(a, b, parts[0], None, None, flags, "grouped", split_k, parts.stride(0), interp)
         if c.dtype == torch.float32 and c.is_contiguous():
             torch.sum(parts, dim=0, out=c)
         else:
             c.copy_(parts.sum(0))  # (M, N): one rounding to c's dtype
         return c
-    return _matmul_2d_launch(a, b, c, bias, z, flags, kernel, 1, 0)
+    return _matmul_2d_launch(a, b, c, bias, z, flags, kernel, 1, 0, interp)
 
 
-def _matmul_2d_launch(a, b, c, bias, z, flags, kernel, split_k, stride_cs):
+def _matmul_2d_launch(a, b, c, bias, z, flags, kernel, split_k, stride_cs, interp):
     M, K = a.shape
     N = b.shape[1]
     bias_arg = bias if bias is not None else c  # never read when HAS_BIAS is False
     z_arg = z if z is not None else c
     zs = z.stride() if z is not None else (0, 0)
 
-    if interpreting():
+    if interp:
         # The interpreter converts fp32 -> bf16 by truncation, not round-to-nearest-even (we
         # measured a bias of -0.3 % and twice the rounding error), so bf16 results are written
         # to fp32 scratch and rounded by torch. The scratch starts as NaN: a tile the kernel
