@@ -55,6 +55,40 @@ def rand(*shape, dtype=torch.bfloat16, device=DEVICE):
     return torch.randn(*shape, device=device).to(dtype)
 
 
+def test_compiled_launch_passes_arguments_in_parameter_order():
+    """launch.compiled_launch: the remembered launch hands the new tensors, then every other
+    argument in the kernel's parameter order (constexprs included, launch options such as
+    num_warps left out), to CompiledKernel.run with the grid evaluated once."""
+    from mpgpt.kernels.launch import compiled_launch
+    calls = []
+
+    class Compiled:  # what Triton's launch returns: .run, .function, .packed_metadata
+        function, packed_metadata = "function", "metadata"
+
+        def run(self, *args):
+            calls.append(args)
+
+    jit_fn = SimpleNamespace(arg_names=["x_ptr", "y_ptr", "n", "stride", "BLOCK"])
+    launch = compiled_launch(jit_fn, Compiled(), lambda meta: (meta["n"] // meta["BLOCK"],),
+                             ("x", "y", 64), {"BLOCK": 16, "stride": 3, "num_warps": 4}, n_tensors=2,
+                             get_stream=lambda device: f"stream{device}")
+    launch(1, "x2", "y2")
+    assert calls == [(4, 1, 1, "stream1", "function", "metadata", None, None, None, "x2", "y2", 64, 3, 16)]
+    # Anything unexpected keeps the ordinary path: a missing argument, no .function, no result.
+    assert compiled_launch(jit_fn, Compiled(), (1,), ("x", "y"), {"BLOCK": 16}, 2, get_stream=str) is None
+    assert compiled_launch(jit_fn, SimpleNamespace(run=None), (1,), ("x", "y", 1, 1), {"BLOCK": 1}, 2,
+                           get_stream=str) is None
+    assert compiled_launch(jit_fn, None, (1,), ("x", "y", 1, 1), {"BLOCK": 1}, 2, get_stream=str) is None
+
+
+def test_lean_launch_switch(monkeypatch):
+    from mpgpt.kernels.launch import lean_launch_enabled
+    monkeypatch.setenv("MPGPT_LEAN_LAUNCH", "0")
+    assert not lean_launch_enabled()
+    monkeypatch.setenv("MPGPT_LEAN_LAUNCH", "1")
+    assert lean_launch_enabled() == (_env.TRITON_IMPORT_ERROR is None)
+
+
 # ------------------------------------------------------------------------------------------------
 # forward, on the interpreter (CPU) or whatever device is present
 # ------------------------------------------------------------------------------------------------
@@ -387,6 +421,44 @@ def test_gpu_triton_linear_backward(activation):
     assert rel_err(x.grad, dx) < 1e-2
     assert rel_err(lin.weight.grad, dw) < 1e-2
     assert rel_err(lin.bias.grad, db) < 1e-2
+
+
+@pytest.mark.sm80
+def test_gpu_lean_launch_repeats_the_ordinary_launch(monkeypatch):
+    """The second call with a signature skips Triton's Python launch path (matmul._PLANS,
+    launch.py). On fresh inputs it must give bit for bit what the ordinary path gives, and be
+    right against float64; a misaligned view (Triton specialises on 16-byte alignment) must get a
+    plan of its own. Cases: the forward layout with bias+GELU (TMA kernel on sm_90), a strided
+    grouped launch, and a weight gradient that splits K."""
+    monkeypatch.delenv("MPGPT_LEAN_LAUNCH", raising=False)
+    mm._PLANS.clear()
+
+    def operands(case):
+        if case == "forward":
+            return rand(2048, 768), rand(3072, 768).t(), rand(3072), "gelu", "auto"
+        if case == "grouped":
+            return rand(1000, 300)[:, :250], rand(250, 333), None, None, "grouped"
+        if case == "split":  # dW = dY^T X with 12288 tokens: few output tiles, long K
+            return rand(12288, 768).t(), rand(12288, 768), None, None, "auto"
+        big = rand(777 * 512 + 1)  # misaligned: starts 2 bytes past an aligned address
+        return big[1:].view(777, 512), rand(512, 640), rand(640), "relu", "auto"
+
+    aligned = rand(777, 512), rand(512, 640), rand(640), "relu", "auto"
+    matmul(aligned[0], aligned[1], aligned[2], aligned[3])  # the misaligned case's aligned twin
+    for case in ("forward", "grouped", "split", "misaligned"):
+        first = operands(case)
+        n = len(mm._PLANS)
+        matmul(first[0], first[1], first[2], first[3], kernel=first[4])
+        assert len(mm._PLANS) == n + 1, case  # the first call remembered its launch
+        a, b, bias, act, kern = operands(case)  # fresh inputs, same signature
+        lean = matmul(a, b, bias, act, kernel=kern)
+        assert len(mm._PLANS) == n + 1, case  # ... and the second one used it
+        monkeypatch.setenv("MPGPT_LEAN_LAUNCH", "0")
+        plain = matmul(a, b, bias, act, kernel=kern)
+        monkeypatch.delenv("MPGPT_LEAN_LAUNCH")
+        torch.cuda.synchronize()
+        assert torch.equal(lean, plain), case
+        assert rel_err(lean, reference(a, b, bias, act)) < 1e-2, case  # bf16 out: one rounding
 
 
 @pytest.mark.sm80

@@ -20,6 +20,21 @@ _BLOCK = 1024  # elements per program (the interpreter uses the same: one progra
 
 
 @triton.jit
+def sigmoid_f32(v):
+    """sigmoid(v) in fp32 without overflow, with one approximate reciprocal.
+
+    e = exp(-|v|) <= 1 never overflows (exp(-v) would, for v < -88). Then sigmoid(v) = r for
+    v >= 0 and e * r for v < 0, with r = 1 / (1 + e). `tl.fdiv(..., ieee_rounding=False)` is
+    the GPU's fast division (PTX div.full.f32: at most 2 ulp off, per the PTX ISA manual), a
+    few instructions instead of the correctly rounded `/` (div.rn.f32) with its slow path. The
+    earlier version used two `/` per element in the matmul's GELU epilogue
+    (benchmarks/NOTES-kernels.md has what that cost)."""
+    e = tl.exp(-tl.abs(v))
+    r = tl.fdiv(tl.full(v.shape, 1.0, tl.float32), 1.0 + e, ieee_rounding=False)
+    return tl.where(v >= 0, r, e * r)
+
+
+@triton.jit
 def _gelu_backward_kernel(
     g_ptr,                  # dY, flat, n elements (bf16/fp16/fp32)
     z_ptr,                  # Z, the saved pre-activation, flat, n elements
@@ -32,8 +47,7 @@ def _gelu_backward_kernel(
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = 1.5957691216057308 * (z + 0.044715 * z * z * z)  # 2 sqrt(2/pi) (z + 0.044715 z^3)
-    e = tl.exp(-tl.abs(v))                                # <= 1: sigmoid without overflow
-    s = tl.where(v >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    s = sigmoid_f32(v)
     d = s + z * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * z * z)  # 3 * 0.044715
     tl.store(out_ptr + offs, (g * d).to(out_ptr.dtype.element_ty), mask=mask)
 
