@@ -64,11 +64,11 @@ def _launch(v, a, w, bias, c, z, flags, num_sms):
     M, K = a.shape
     N = w.shape[0]
     bm, bn, bk, stages, warps = v["tile"]
-    nsm = num_sms * v["PPS"]
     _set_tma_allocator()
-    grid = (min(nsm, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
+    grid = (min(num_sms * v["PPS"], triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
     _matmul_kernel_tma[grid](a, w, c, bias, z, M, N, K, a.stride(0), w.stride(0), c.stride(0), 1, z.stride(0), 1,
-                             A_T=False, B_T=True, TMA_STORE=v["TMA_STORE"], NUM_SMS=nsm,
+                             A_T=False, B_T=True, TMA_STORE_OK=True, TMA_STORE=v["TMA_STORE"], PPS=v["PPS"],
+                             NUM_SMS=num_sms,
                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, EPILOGUE_SUBTILE=v["EPILOGUE_SUBTILE"],
                              WARP_SPECIALIZE=v["WARP_SPECIALIZE"], num_warps=warps, num_stages=stages,
                              **FLAGS[flags])

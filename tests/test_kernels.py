@@ -424,6 +424,34 @@ def test_gpu_triton_linear_backward(activation):
 
 
 @pytest.mark.sm80
+def test_gpu_every_tma_config_is_correct(monkeypatch):
+    """The autotuner may pick any of the TMA kernel's configurations (TMA stores, subtiled
+    epilogue, warp specialisation, two programs per SM) for some shape: each one, forced in
+    turn, must be right at an odd shape (edges in M, N and K), with and without the GELU epilogue
+    and its saved pre-activation, and with an output the TMA cannot store (falls back to pointers)."""
+    if "tma" not in _gpu_kernels():
+        pytest.skip("the TMA kernel needs sm_90")
+    monkeypatch.setenv("MPGPT_AUTOTUNE", "0")
+    monkeypatch.setenv("MPGPT_LEAN_LAUNCH", "0")
+    M, N, K = 1000, 776, 1000
+    for cfg in mm._TMA:
+        fixed = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        monkeypatch.setattr(mm, "_FIXED_TMA", fixed)
+        a, w, bias = rand(M, K), rand(N, K), rand(N)
+        c = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+        z = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+        mm._matmul_2d(a, w.t(), c, bias=bias, z=z, activation="gelu", kernel="tma")
+        wide = torch.full((M, N + 3), float("nan"), dtype=torch.bfloat16, device="cuda")
+        plain = wide[:, 1:N + 1]  # misaligned rows: no TMA store possible
+        mm._matmul_2d(a, w.t(), plain, kernel="tma")
+        torch.cuda.synchronize()
+        assert rel_err(c, reference(a, w.t(), bias, "gelu")) < 1e-2, fixed
+        assert rel_err(z, reference(a, w.t(), bias)) < 1e-2, fixed
+        assert rel_err(plain, reference(a, w.t())) < 1e-2, fixed
+        assert torch.isnan(wide[:, 0]).all() and torch.isnan(wide[:, N + 1:]).all(), fixed  # nothing outside
+
+
+@pytest.mark.sm80
 def test_gpu_lean_launch_repeats_the_ordinary_launch(monkeypatch):
     """The second call with a signature skips Triton's Python launch path (matmul._PLANS,
     launch.py). On fresh inputs it must give bit for bit what the ordinary path gives, and be

@@ -88,19 +88,28 @@ _AMPERE = [
     _cfg(64, 32, 32, 5, 2, arch="sm80"),
     _cfg(32, 64, 32, 5, 2, arch="sm80"),
 ]
-# The persistent TMA kernel (Hopper only).
+# The persistent TMA kernel (Hopper only). Besides the tile, a config picks how the epilogue
+# stores (TMA_STORE: through a TMA descriptor; EPILOGUE_SUBTILE: in two half-width pieces),
+# WARP_SPECIALIZE (the tile loop split by the compiler into load and MMA warps) and PPS (programs
+# per multiprocessor: 2 lets one program's epilogue overlap another's main loop). Chosen from a
+# sweep of 72 variants on the H200 (benchmarks/tma_variants.py, results/tma-variants_*.json):
+# the fastest one or two per GPT-2 shape, plus the large-square configs.
+def _tma_cfg(bm, bn, bk, stages, warps, store=False, subtile=False, ws=False, pps=1):
+    return _cfg(bm, bn, bk, stages, warps, arch="sm90", TMA_STORE=store, EPILOGUE_SUBTILE=subtile,
+                WARP_SPECIALIZE=ws, PPS=pps)
+
+
 _TMA = [
-    _cfg(128, 256, 64, 3, 8, arch="sm90", EPILOGUE_SUBTILE=False),
-    _cfg(128, 256, 64, 4, 8, arch="sm90", EPILOGUE_SUBTILE=False),
-    _cfg(128, 128, 64, 3, 8, arch="sm90", EPILOGUE_SUBTILE=False),
-    _cfg(128, 128, 64, 4, 8, arch="sm90", EPILOGUE_SUBTILE=False),
-    _cfg(128, 128, 64, 4, 4, arch="sm90", EPILOGUE_SUBTILE=False),
-    _cfg(128, 128, 128, 3, 8, arch="sm90", EPILOGUE_SUBTILE=False),
-    # Smaller tiles for N = 768 outputs (attn.c_proj, mlp.c_proj): 576 tiles of 128x128 are 4.4
-    # waves over 132 SMs, so the last wave runs 36 % full; 128x64 gives 8.7 waves.
-    _cfg(128, 64, 64, 4, 4, arch="sm90", EPILOGUE_SUBTILE=False),
-    _cfg(128, 64, 128, 3, 4, arch="sm90", EPILOGUE_SUBTILE=False),
-    _cfg(64, 128, 64, 4, 4, arch="sm90", EPILOGUE_SUBTILE=False),
+    _tma_cfg(128, 256, 64, 3, 8, store=True, ws=True),      # c_attn, c_fc
+    _tma_cfg(128, 256, 64, 3, 8, store=True),               # c_fc + bias + GELU
+    _tma_cfg(128, 256, 64, 3, 8),                           # c_fc + bias + GELU + Z
+    _tma_cfg(128, 256, 64, 4, 8, store=True),               # large squares, lm_head
+    _tma_cfg(128, 128, 64, 4, 4, store=True, subtile=True),  # mlp.c_proj
+    _tma_cfg(128, 128, 64, 4, 4, store=True, ws=True),      # attn.c_proj (2nd)
+    _tma_cfg(128, 128, 64, 3, 4, subtile=True, pps=2),      # attn.c_proj
+    _tma_cfg(128, 128, 64, 3, 4, store=True, subtile=True, pps=2),
+    _tma_cfg(128, 128, 128, 3, 8),                          # mlp.c_proj (2nd)
+    _tma_cfg(128, 128, 64, 4, 8),
 ]
 # The interpreter runs one program at a time in numpy: a fixed small tile, no autotuning.
 _INTERPRET_BLOCK = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
@@ -234,11 +243,13 @@ def _matmul_kernel_tma(
     A_T: tl.constexpr,              # False: A is (M, K) row-major; True: A's memory is (K, M) row-major
     B_T: tl.constexpr,              # False: B is (K, N) row-major; True: B's memory is (N, K) (nn.Linear's weight)
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_Z: tl.constexpr,
-    TMA_STORE: tl.constexpr,        # C (and Z) row-major and 16-byte aligned: store tiles by TMA too
-    NUM_SMS: tl.constexpr,          # programs launched (the multiprocessors); each loops over tiles
+    TMA_STORE_OK: tl.constexpr,     # C (and Z) are row-major and 16-byte aligned (decided by the host)
+    NUM_SMS: tl.constexpr,          # the GPU's multiprocessors
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPILOGUE_SUBTILE: tl.constexpr,  # run the epilogue on two (BLOCK_M, BLOCK_N/2) halves
+    TMA_STORE: tl.constexpr,        # store output tiles through TMA descriptors (if TMA_STORE_OK)
     WARP_SPECIALIZE: tl.constexpr,  # let the compiler split loads and MMAs into separate warps
+    PPS: tl.constexpr,              # persistent programs per multiprocessor (1 or 2)
 ):
     # TMA descriptors describe the whole matrix once; loads then name a tile by its corner and
     # the copy engine fetches it into shared memory, zero-filling whatever lies past the edge.
@@ -255,12 +266,14 @@ def _matmul_kernel_tma(
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1],
                                            block_shape=[BLOCK_K, BLOCK_N])
     SUB_N: tl.constexpr = BLOCK_N // 2 if EPILOGUE_SUBTILE else BLOCK_N
+    USE_TMA_STORE: tl.constexpr = TMA_STORE and TMA_STORE_OK
+    NUM_PROGRAMS: tl.constexpr = NUM_SMS * PPS  # programs launched; each loops over tiles
     # With TMA_STORE, output tiles go registers -> shared memory -> global memory by the copy
     # engine too, which drops whatever lies past the edge (no mask). Otherwise the names are
     # unused placeholders (the helper's TMA branch is compiled out).
     c_desc = c_ptr
     z_desc = z_ptr
-    if TMA_STORE:
+    if USE_TMA_STORE:
         c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
                                            block_shape=[BLOCK_M, SUB_N])
         if STORE_Z:
@@ -274,9 +287,9 @@ def _matmul_kernel_tma(
     num_tiles = num_pid_m * num_pid_n
     # A second tile counter for the epilogue (as in Triton's tutorial 09): the flattened loop is
     # software-pipelined across tiles, and the epilogue must not share the prologue's counter.
-    tile_id_c = start_pid - NUM_SMS
+    tile_id_c = start_pid - NUM_PROGRAMS
 
-    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+    for tile_id in tl.range(start_pid, num_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -293,7 +306,7 @@ def _matmul_kernel_tma(
                 b = b_desc.load([off_k, off_n])
             acc = tl.dot(a, b, acc)
 
-        tile_id_c += NUM_SMS
+        tile_id_c += NUM_PROGRAMS
         pid_m, pid_n = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
         off_cm = pid_m * BLOCK_M
         off_cn = pid_n * BLOCK_N
@@ -303,14 +316,14 @@ def _matmul_kernel_tma(
             acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, SUB_N)), (0, 2, 1)))
             _tma_epilogue(acc0, c_desc, z_desc, c_ptr, z_ptr, bias_ptr, off_cm, off_cn, M, N,
                           stride_cm, stride_cn, stride_zm, stride_zn,
-                          HAS_BIAS, ACTIVATION, STORE_Z, TMA_STORE, BLOCK_M, SUB_N)
+                          HAS_BIAS, ACTIVATION, STORE_Z, USE_TMA_STORE, BLOCK_M, SUB_N)
             _tma_epilogue(acc1, c_desc, z_desc, c_ptr, z_ptr, bias_ptr, off_cm, off_cn + SUB_N, M, N,
                           stride_cm, stride_cn, stride_zm, stride_zn,
-                          HAS_BIAS, ACTIVATION, STORE_Z, TMA_STORE, BLOCK_M, SUB_N)
+                          HAS_BIAS, ACTIVATION, STORE_Z, USE_TMA_STORE, BLOCK_M, SUB_N)
         else:
             _tma_epilogue(acc, c_desc, z_desc, c_ptr, z_ptr, bias_ptr, off_cm, off_cn, M, N,
                           stride_cm, stride_cn, stride_zm, stride_zn,
-                          HAS_BIAS, ACTIVATION, STORE_Z, TMA_STORE, BLOCK_M, SUB_N)
+                          HAS_BIAS, ACTIVATION, STORE_Z, USE_TMA_STORE, BLOCK_M, SUB_N)
 
 
 @triton.jit
@@ -332,6 +345,13 @@ def _tma_epilogue(acc, c_desc, z_desc, c_ptr, z_ptr, bias_ptr, off_m, off_n, M, 
                     stride_zm, stride_zn, STORE_Z)
 
 
+def _prune_tma_store(configs, named_args, **kwargs):
+    """Without TMA_STORE_OK a TMA_STORE config is the same kernel as its pointer-store twin: skip it."""
+    if kwargs.get("TMA_STORE_OK", named_args.get("TMA_STORE_OK", True)):
+        return configs
+    return [c for c in configs if not c.kwargs.get("TMA_STORE")] or configs
+
+
 # Autotuned launchers (compiled mode). The key names the arguments whose values select a
 # config; Triton adds the tensors' dtypes to it.
 # The epilogue flags are part of the key: a GELU epilogue needs registers that a plain store does
@@ -339,8 +359,8 @@ def _tma_epilogue(acc, c_desc, z_desc, c_ptr, z_ptr, bias_ptr, off_m, off_n, M, 
 _EPILOGUE_KEY = ["HAS_BIAS", "ACTIVATION", "STORE_Z"]
 _matmul_grouped = triton.autotune(configs=_HOPPER + _AMPERE, key=["M", "N", "K", "SPLIT_K"] + _EPILOGUE_KEY,
                                   prune_configs_by={"early_config_prune": _prune_by_arch})(_matmul_kernel)
-_matmul_tma = triton.autotune(configs=_TMA, key=["M", "N", "K", "A_T", "B_T", "TMA_STORE"] + _EPILOGUE_KEY)(
-    _matmul_kernel_tma)
+_matmul_tma = triton.autotune(configs=_TMA, key=["M", "N", "K", "A_T", "B_T", "TMA_STORE_OK"] + _EPILOGUE_KEY,
+                              prune_configs_by={"early_config_prune": _prune_tma_store})(_matmul_kernel_tma)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -575,10 +595,9 @@ def _matmul_2d_launch(a, b, c, bias, z, flags, kernel, split_k, stride_cs, inter
         num_sms = _num_sms(a.device)
         _set_tma_allocator()
         tuned, fixed = _launcher(_matmul_tma, _matmul_kernel_tma, _FIXED_TMA)
-        grid = lambda meta: (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+        grid = lambda meta: (min(num_sms * meta["PPS"], triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
         args = (a, b, c, bias_arg, z_arg, M, N, K, stride_a, stride_b, *c.stride(), *zs)
-        kwargs = dict(A_T=a_t, B_T=b_t, TMA_STORE=_tma_store_ok(c, z), NUM_SMS=num_sms, WARP_SPECIALIZE=False,
-                      **flags)
+        kwargs = dict(A_T=a_t, B_T=b_t, TMA_STORE_OK=_tma_store_ok(c, z), NUM_SMS=num_sms, **flags)
     else:
         tuned, fixed = _launcher(_matmul_grouped, _matmul_kernel, _FIXED_GROUPED)
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), split_k)
@@ -598,8 +617,8 @@ def _matmul_2d_launch(a, b, c, bias, z, flags, kernel, split_k, stride_cs, inter
 # large tiles, so edge masking is still exercised.
 _FIXED_GROUPED = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
 _FIXED_GROUPED_SM80 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=4)
-_FIXED_TMA = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, EPILOGUE_SUBTILE=False, num_warps=8,
-                  num_stages=4)
+_FIXED_TMA = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, EPILOGUE_SUBTILE=False, TMA_STORE=True,
+                  WARP_SPECIALIZE=False, PPS=1, num_warps=8, num_stages=4)
 
 
 def _launcher(tuned, plain, fixed):
