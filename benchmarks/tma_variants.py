@@ -12,8 +12,9 @@ Every variant's output is checked against a float32 reference first (relative er
 Kernels are compiled in parallel worker processes first (into Triton's disk cache), then timed
 one at a time in this process.
 
-  EXTRA_M           (--extra) 192-row tiles: a 128-row and a 64-row accumulator sharing B
-Run on a Hopper GPU:  python benchmarks/tma_variants.py OUT.json [--extra]
+Run on a Hopper GPU:  python benchmarks/tma_variants.py OUT.json
+(results/tma-variants-extra_*.json came from this script's --extra mode at commit b5fedbe, which
+timed 192-row tiles, EXTRA_M=64, a kernel option removed after it measured slower.)
 """
 import itertools
 import json
@@ -36,25 +37,14 @@ TILES = [(128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (128, 128, 64, 3, 4), (128,
          (128, 128, 128, 3, 8), (128, 64, 64, 4, 4)]
 
 
-def variants(mode="full"):
-    """full: the 72-variant sweep (every tile x store x subtile x warp specialisation x PPS).
-    extra: 192-row tiles (EXTRA_M=64) against the best 128-row variants of the full sweep."""
+def variants():
+    """The 72 variants: every tile x TMA store x subtiled epilogue x warp specialisation x PPS
+    (warp specialisation with one program per SM only)."""
     out = []
-    if mode == "extra":
-        for stages, warps, ts, ws in itertools.product((3, 4), (4, 8), (False, True), (False, True)):
-            out.append(dict(tile=(128, 128, 64, stages, warps), TMA_STORE=ts, EPILOGUE_SUBTILE=False,
-                            WARP_SPECIALIZE=ws, PPS=1, EXTRA_M=64))
-        out.append(dict(tile=(128, 128, 64, 3, 4), TMA_STORE=False, EPILOGUE_SUBTILE=True, WARP_SPECIALIZE=False,
-                        PPS=2, EXTRA_M=0))
-        out.append(dict(tile=(128, 128, 64, 4, 4), TMA_STORE=True, EPILOGUE_SUBTILE=True, WARP_SPECIALIZE=False,
-                        PPS=1, EXTRA_M=0))
-        out.append(dict(tile=(128, 256, 64, 3, 8), TMA_STORE=True, EPILOGUE_SUBTILE=False, WARP_SPECIALIZE=True,
-                        PPS=1, EXTRA_M=0))
-        return out
     for tile, ts, sub, ws, pps in itertools.product(TILES, (False, True), (False, True), (False, True), (1, 2)):
         if ws and pps == 2:
             continue
-        out.append(dict(tile=tile, TMA_STORE=ts, EPILOGUE_SUBTILE=sub, WARP_SPECIALIZE=ws, PPS=pps, EXTRA_M=0))
+        out.append(dict(tile=tile, TMA_STORE=ts, EPILOGUE_SUBTILE=sub, WARP_SPECIALIZE=ws, PPS=pps))
     return out
 
 
@@ -77,13 +67,12 @@ def _launch(v, a, w, bias, c, z, flags, num_sms):
     N = w.shape[0]
     bm, bn, bk, stages, warps = v["tile"]
     _set_tma_allocator()
-    grid = (min(num_sms * v["PPS"], triton.cdiv(M, bm + v["EXTRA_M"]) * triton.cdiv(N, bn)),)
+    grid = (min(num_sms * v["PPS"], triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
     _matmul_kernel_tma[grid](a, w, c, bias, z, M, N, K, a.stride(0), w.stride(0), c.stride(0), 1, z.stride(0), 1,
                              A_T=False, B_T=True, TMA_STORE_OK=True, TMA_STORE=v["TMA_STORE"], PPS=v["PPS"],
                              NUM_SMS=num_sms,
                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, EPILOGUE_SUBTILE=v["EPILOGUE_SUBTILE"],
-                             WARP_SPECIALIZE=v["WARP_SPECIALIZE"], EXTRA_M=v["EXTRA_M"],
-                             num_warps=warps, num_stages=stages,
+                             WARP_SPECIALIZE=v["WARP_SPECIALIZE"], num_warps=warps, num_stages=stages,
                              **FLAGS[flags])
 
 
@@ -105,7 +94,7 @@ def main():
     import torch
     import torch.nn.functional as F
     from triton.testing import do_bench_cudagraph
-    vs = variants("extra" if "--extra" in sys.argv else "full")
+    vs = variants()
     jobs = [(v, f) for f in FLAGS for v in vs]
     t0 = time.time()
     with mp.get_context("spawn").Pool(14) as pool:
@@ -154,12 +143,12 @@ def main():
             if best is None or row["us"] < best["us"]:
                 best = row
         print(f"{name}: cuBLAS {cublas_ms * 1e3:.1f} us; best {best['us']} us ({best['vs_cublas']}x) "
-              f"{ {k: best[k] for k in ('tile', 'TMA_STORE', 'EPILOGUE_SUBTILE', 'WARP_SPECIALIZE', 'PPS', 'EXTRA_M')} }",
+              f"{ {k: best[k] for k in ('tile', 'TMA_STORE', 'EPILOGUE_SUBTILE', 'WARP_SPECIALIZE', 'PPS')} }",
               flush=True)
         for r in sorted((r for r in rows if r["shape"] == name and "us" in r), key=lambda r: r["us"])[:6]:
             print("   ", r["us"], r["vs_cublas"], r["tile"], "TS" if r["TMA_STORE"] else "--",
                   "SUB" if r["EPILOGUE_SUBTILE"] else "---", "WS" if r["WARP_SPECIALIZE"] else "--",
-                  f"pps{r['PPS']}", f"+{r['EXTRA_M']}", flush=True)
+                  f"pps{r['PPS']}", flush=True)
     out = [x for x in sys.argv[1:] if not x.startswith("--")]
     if out:
         from mpgpt.bench import environment

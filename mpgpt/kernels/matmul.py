@@ -94,9 +94,9 @@ _AMPERE = [
 # per multiprocessor: 2 lets one program's epilogue overlap another's main loop). Chosen from a
 # sweep of 72 variants on the H200 (benchmarks/tma_variants.py, results/tma-variants_*.json):
 # the fastest one or two per GPT-2 shape, plus the large-square configs.
-def _tma_cfg(bm, bn, bk, stages, warps, store=False, subtile=False, ws=False, pps=1, extra_m=0):
+def _tma_cfg(bm, bn, bk, stages, warps, store=False, subtile=False, ws=False, pps=1):
     return _cfg(bm, bn, bk, stages, warps, arch="sm90", TMA_STORE=store, EPILOGUE_SUBTILE=subtile,
-                WARP_SPECIALIZE=ws, PPS=pps, EXTRA_M=extra_m)
+                WARP_SPECIALIZE=ws, PPS=pps)
 
 
 _TMA = [
@@ -108,9 +108,9 @@ _TMA = [
     _tma_cfg(128, 128, 64, 4, 4, store=True, ws=True),      # attn.c_proj (2nd)
     _tma_cfg(128, 128, 64, 3, 4, subtile=True, pps=2),      # attn.c_proj
     _tma_cfg(128, 128, 64, 3, 4, store=True, subtile=True, pps=2),
+    _tma_cfg(128, 128, 64, 2, 4, subtile=True, pps=3),      # untried in the sweep: 3 programs per SM
+    _tma_cfg(128, 128, 64, 2, 4, store=True, subtile=True, pps=3),
     _tma_cfg(128, 128, 128, 3, 8),                          # mlp.c_proj (2nd)
-    _tma_cfg(128, 128, 64, 3, 8, store=True, extra_m=64),   # 192 x 128 tiles, for N = 768
-    _tma_cfg(128, 128, 64, 4, 8, extra_m=64),
     _tma_cfg(128, 128, 64, 4, 8),
 ]
 # The interpreter runs one program at a time in numpy: a fixed small tile, no autotuning.
@@ -252,7 +252,6 @@ def _matmul_kernel_tma(
     TMA_STORE: tl.constexpr,        # store output tiles through TMA descriptors (if TMA_STORE_OK)
     WARP_SPECIALIZE: tl.constexpr,  # let the compiler split loads and MMAs into separate warps
     PPS: tl.constexpr,              # persistent programs per multiprocessor (1 or 2)
-    EXTRA_M: tl.constexpr,          # 0, or 64: tiles of (BLOCK_M + 64) rows, as a second accumulator
 ):
     # TMA descriptors describe the whole matrix once; loads then name a tile by its corner and
     # the copy engine fetches it into shared memory, zero-filling whatever lies past the edge.
@@ -268,19 +267,6 @@ def _matmul_kernel_tma(
     else:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1],
                                            block_shape=[BLOCK_K, BLOCK_N])
-    # Tile heights must be powers of two in Triton, so a 192-row tile is a 128-row accumulator
-    # plus a 64-row one sharing each B tile. Why 192: an N = 768 output has 96 x 6 = 576 tiles of
-    # 128 x 128, 4.4 waves over 132 SMs (the fifth wave runs a third full); 64 x 6 = 384 tiles of
-    # 192 x 128 are 2.9 waves.
-    tl.static_assert(EXTRA_M == 0 or not EPILOGUE_SUBTILE, "EXTRA_M takes no epilogue subtiling")
-    TILE_M: tl.constexpr = BLOCK_M + EXTRA_M
-    if EXTRA_M > 0:
-        if A_T:
-            a2_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1],
-                                                block_shape=[BLOCK_K, EXTRA_M])
-        else:
-            a2_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1],
-                                                block_shape=[EXTRA_M, BLOCK_K])
     SUB_N: tl.constexpr = BLOCK_N // 2 if EPILOGUE_SUBTILE else BLOCK_N
     USE_TMA_STORE: tl.constexpr = TMA_STORE and TMA_STORE_OK
     NUM_PROGRAMS: tl.constexpr = NUM_SMS * PPS  # programs launched; each loops over tiles
@@ -289,23 +275,15 @@ def _matmul_kernel_tma(
     # unused placeholders (the helper's TMA branch is compiled out).
     c_desc = c_ptr
     z_desc = z_ptr
-    c2_desc = c_ptr
-    z2_desc = z_ptr
     if USE_TMA_STORE:
         c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
                                            block_shape=[BLOCK_M, SUB_N])
         if STORE_Z:
             z_desc = tl.make_tensor_descriptor(z_ptr, shape=[M, N], strides=[stride_zm, 1],
                                                block_shape=[BLOCK_M, SUB_N])
-        if EXTRA_M > 0:
-            c2_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
-                                                block_shape=[EXTRA_M, BLOCK_N])
-            if STORE_Z:
-                z2_desc = tl.make_tensor_descriptor(z_ptr, shape=[M, N], strides=[stride_zm, 1],
-                                                    block_shape=[EXTRA_M, BLOCK_N])
 
     start_pid = tl.program_id(axis=0)
-    num_pid_m = tl.cdiv(M, TILE_M)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     num_tiles = num_pid_m * num_pid_n
@@ -315,11 +293,9 @@ def _matmul_kernel_tma(
 
     for tile_id in tl.range(start_pid, num_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * TILE_M
+        off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if EXTRA_M > 0:
-            acc2 = tl.zeros((EXTRA_M, BLOCK_N), dtype=tl.float32)  # rows off_m + BLOCK_M ...
         for ki in range(k_tiles):
             off_k = ki * BLOCK_K
             if A_T:
@@ -331,21 +307,11 @@ def _matmul_kernel_tma(
             else:
                 b = b_desc.load([off_k, off_n])
             acc = tl.dot(a, b, acc)
-            if EXTRA_M > 0:
-                if A_T:
-                    a2 = a2_desc.load([off_k, off_m + BLOCK_M]).T
-                else:
-                    a2 = a2_desc.load([off_m + BLOCK_M, off_k])
-                acc2 = tl.dot(a2, b, acc2)
 
         tile_id_c += NUM_PROGRAMS
         pid_m, pid_n = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
-        off_cm = pid_m * TILE_M
+        off_cm = pid_m * BLOCK_M
         off_cn = pid_n * BLOCK_N
-        if EXTRA_M > 0:
-            _tma_epilogue(acc2, c2_desc, z2_desc, c_ptr, z_ptr, bias_ptr, off_cm + BLOCK_M, off_cn, M, N,
-                          stride_cm, stride_cn, stride_zm, stride_zn,
-                          HAS_BIAS, ACTIVATION, STORE_Z, USE_TMA_STORE, EXTRA_M, BLOCK_N)
         if EPILOGUE_SUBTILE:
             # (BLOCK_M, BLOCK_N) -> two (BLOCK_M, BLOCK_N/2) halves: the epilogue's fp32
             # temporaries (GELU's) and the store buffer are half the size.
@@ -631,8 +597,7 @@ def _matmul_2d_launch(a, b, c, bias, z, flags, kernel, split_k, stride_cs, inter
         num_sms = _num_sms(a.device)
         _set_tma_allocator()
         tuned, fixed = _launcher(_matmul_tma, _matmul_kernel_tma, _FIXED_TMA)
-        grid = lambda meta: (min(num_sms * meta["PPS"], triton.cdiv(M, meta["BLOCK_M"] + meta["EXTRA_M"])
-                                 * triton.cdiv(N, meta["BLOCK_N"])),)
+        grid = lambda meta: (min(num_sms * meta["PPS"], triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
         args = (a, b, c, bias_arg, z_arg, M, N, K, stride_a, stride_b, *c.stride(), *zs)
         kwargs = dict(A_T=a_t, B_T=b_t, TMA_STORE_OK=_tma_store_ok(c, z), NUM_SMS=num_sms, **flags)
     else:
@@ -655,7 +620,7 @@ def _matmul_2d_launch(a, b, c, bias, z, flags, kernel, split_k, stride_cs, inter
 _FIXED_GROUPED = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
 _FIXED_GROUPED_SM80 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=4)
 _FIXED_TMA = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, EPILOGUE_SUBTILE=False, TMA_STORE=True,
-                  WARP_SPECIALIZE=False, PPS=1, EXTRA_M=0, num_warps=8, num_stages=4)
+                  WARP_SPECIALIZE=False, PPS=1, num_warps=8, num_stages=4)
 
 
 def _launcher(tuned, plain, fixed):
