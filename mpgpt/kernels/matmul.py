@@ -30,6 +30,14 @@ Two kernels:
    are zero-filled by the hardware instead of masked. Needs 16-byte-aligned operands with one
    unit stride each; otherwise we fall back to kernel 1. `kernel="auto"` uses it for the
    forward layout (x @ w.t()) only: the backward layouts were no faster with it on the H200.
+   Its autotuned options, chosen by measurement (benchmarks/tma_variants.py): output tiles
+   stored through TMA too, the epilogue run on two half tiles, compiler warp specialisation,
+   and two programs per multiprocessor.
+
+Host time. A Triton launch costs tens of microseconds of Python before the GPU starts, more than
+a 12288 x 768 x 768 product takes on an H200. After the first call with a given signature,
+`matmul` calls the compiled kernel's launcher directly (launch.py; MPGPT_LEAN_LAUNCH=0 turns it
+off).
 
 Interpreter: without a CUDA GPU, mpgpt sets TRITON_INTERPRET=1 before these kernels are
 decorated (see _env.py). The interpreter stores bf16 as raw uint16 bits, so `tl.dot` and
@@ -108,8 +116,6 @@ _TMA = [
     _tma_cfg(128, 128, 64, 4, 4, store=True, ws=True),      # attn.c_proj (2nd)
     _tma_cfg(128, 128, 64, 3, 4, subtile=True, pps=2),      # attn.c_proj
     _tma_cfg(128, 128, 64, 3, 4, store=True, subtile=True, pps=2),
-    _tma_cfg(128, 128, 64, 2, 4, subtile=True, pps=3),      # untried in the sweep: 3 programs per SM
-    _tma_cfg(128, 128, 64, 2, 4, store=True, subtile=True, pps=3),
     _tma_cfg(128, 128, 128, 3, 8),                          # mlp.c_proj (2nd)
     _tma_cfg(128, 128, 64, 4, 8),
 ]
