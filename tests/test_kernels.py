@@ -291,6 +291,34 @@ def test_triton_linear_autocast_forward_and_backward(activation):
     assert rel_err(lin.bias.grad, db) < 1e-2
 
 
+@pytest.mark.parametrize("activation,use_bias", [("gelu", True), (None, False)])
+def test_triton_linear_compiles_in_one_graph(activation, use_bias):
+    """torch.compile traces TritonLinear under autocast without a graph break (its kernels are
+    custom operators, ops.py) and the compiled forward and backward give exactly eager's
+    numbers. Backend aot_eager: Dynamo and AOTAutograd trace as they do for inductor, then the
+    graph runs op by op, so this also runs on a CPU."""
+    torch.manual_seed(0)
+    layer = TritonLinear(64, 96, bias=use_bias, activation=activation).to(DEVICE)
+    x = torch.randn(4, 8, 64, device=DEVICE, requires_grad=True)
+
+    def loss_fn(x):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            return layer(x).float().square().sum()
+
+    explained = torch._dynamo.explain(loss_fn)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    grads = []
+    for fn in (loss_fn, torch.compile(loss_fn, backend="aot_eager", fullgraph=True)):
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        loss = fn(x)
+        loss.backward()
+        grads.append([loss.detach(), x.grad] + [p.grad for p in layer.parameters()])
+    for eager, compiled in zip(*grads):
+        assert torch.equal(eager, compiled)
+
+
 def test_triton_linear_bf16_parameters_without_autocast():
     layer = TritonLinear(24, 20, activation="gelu").to(DEVICE, torch.bfloat16)
     x = rand(7, 24).requires_grad_(True)

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gelu import gelu_backward
-from .matmul import ACTIVATIONS, _check, _matmul_2d
+from . import ops
+from .matmul import ACTIVATIONS, _check
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _SQRT_2_OVER_PI = 0.7978845608028654
@@ -58,12 +58,20 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype | None:
     return x.dtype if x.dtype in _LOW_PRECISION else None
 
 
-def _make_function(device_type: str):
-    """One autograd.Function per device type: custom_fwd/custom_bwd take device_type when decorating."""
+def _make_function(device_type: str, amp_decorators: bool = True):
+    """One autograd.Function per device type: custom_fwd/custom_bwd take device_type when decorating.
+
+    custom_fwd records the autocast state and custom_bwd runs backward under it. Under
+    torch.compile (seen with torch 2.13 on CPU autocast) the pair makes Dynamo fail ("Global autocast state changed
+    while dynamo tracing"), so the compiled path uses a twin without them (amp_decorators=False).
+    The twin computes the same thing: every op in our backward names its dtype explicitly, so
+    backward does not depend on the autocast state."""
+    fwd_deco = torch.amp.custom_fwd(device_type=device_type) if amp_decorators else (lambda f: f)
+    bwd_deco = torch.amp.custom_bwd(device_type=device_type) if amp_decorators else (lambda f: f)
 
     class _TritonLinearFunction(torch.autograd.Function):
         @staticmethod
-        @torch.amp.custom_fwd(device_type=device_type)
+        @fwd_deco
         def forward(ctx, x, weight, bias, activation, dtype):
             # Cast like autocast would (a no-op when already in dtype). Autocast's cast happens
             # outside the Function, so the casts' own backward would route gradients back; here
@@ -71,57 +79,61 @@ def _make_function(device_type: str):
             x_lp = x.to(dtype)
             w_lp = weight.to(dtype)
             b_lp = bias.to(dtype) if bias is not None else None
-            x2, wt, b_lp, out_shape = _check(x_lp, w_lp.t(), b_lp, activation)  # wt: (in, out) view
-            M, N = x2.shape[0], wt.shape[1]
-            y = torch.empty((M, N), dtype=dtype, device=x.device)
+            x2, _, b_lp, out_shape = _check(x_lp, w_lp.t(), b_lp, activation)  # x2: (M, in)
             # GELU's backward needs Z = x W^T + b. We keep Z (written by the same epilogue, one
             # extra (M, out) store) instead of recomputing it: recomputing costs a whole extra GEMM
             # in backward (+50 % backward FLOPs), while keeping it costs M*out*2 bytes, the same
             # memory nn.Linear followed by nn.GELU holds (GELU saves its input). ReLU needs no Z:
             # relu'(z) = (y > 0), read from the output itself.
             need_z = activation == "gelu" and any(ctx.needs_input_grad[:3])
-            z = torch.empty_like(y) if need_z else None
-            _matmul_2d(x2, wt, y, bias=b_lp, z=z, activation=activation)
+            y, z = _op(ops.linear_forward, ops.linear_forward_impl)(x2, w_lp, b_lp, activation, need_z)
             ctx.activation = activation
             ctx.x_shape = x.shape
             ctx.has_bias = bias is not None
             ctx.w_dtype = weight.dtype
             ctx.b_dtype = bias.dtype if bias is not None else None
-            saved = z if activation == "gelu" else (y if activation == "relu" else None)
+            saved = z if need_z else (y if activation == "relu" else None)
             ctx.save_for_backward(x2, w_lp, saved)
             return y.view(out_shape)
 
         @staticmethod
-        @torch.amp.custom_bwd(device_type=device_type)
+        @bwd_deco
         def backward(ctx, grad_out):
             x2, w_lp, saved = ctx.saved_tensors
             dtype = w_lp.dtype
             g = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)  # (M, out)
             if ctx.activation == "gelu":
-                g = gelu_backward(g, saved)  # dZ: one Triton pass, the derivative in fp32 (gelu.py)
+                g = _op(ops.gelu_backward, ops.gelu_backward_impl)(g, saved)  # dZ: one Triton pass (gelu.py)
             elif ctx.activation == "relu":
                 g = g * (saved > 0)  # exact in any dtype
             if not g.is_contiguous():
                 g = g.contiguous()
             dx = dw = db = None
+            mm = _op(ops.matmul, ops.matmul_impl)
             if ctx.needs_input_grad[0]:
-                dx = torch.empty((g.shape[0], w_lp.shape[1]), dtype=dtype, device=g.device)
-                _matmul_2d(g, w_lp, dx)  # (M, out) @ (out, in)
-                dx = dx.view(ctx.x_shape)
+                dx = mm(g, w_lp, dtype).view(ctx.x_shape)  # (M, out) @ (out, in)
             if ctx.needs_input_grad[1]:
                 # fp32 accumulator written straight to the weight's dtype (fp32 master weights).
-                dw = torch.empty(w_lp.shape, dtype=ctx.w_dtype if ctx.w_dtype == torch.float32 else dtype,
-                                 device=g.device)
-                _matmul_2d(g.t(), x2, dw)  # (out, M) @ (M, in): g.t() is a strided view
+                # (out, M) @ (M, in): g.t() is a strided view.
+                dw = mm(g.t(), x2, ctx.w_dtype if ctx.w_dtype == torch.float32 else dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = g.sum(0, dtype=torch.float32).to(ctx.b_dtype)  # fp32 sum, no fp32 copy of g
             return dx, dw, db, None, None
 
-    _TritonLinearFunction.__name__ = f"TritonLinearFunction_{device_type}"
+    _TritonLinearFunction.__name__ = f"TritonLinearFunction_{device_type}" + ("" if amp_decorators else "_compiled")
     return _TritonLinearFunction
 
 
-_FUNCTIONS: dict[str, type] = {}
+# (device type, compiling) -> Function. Built ahead for the usual device types: building a class
+# while torch.compile traces the first call would break its graph.
+_FUNCTIONS: dict[tuple[str, bool], type] = {(d, c): _make_function(d, amp_decorators=not c)
+                                            for d in ("cuda", "cpu") for c in (False, True)}
+
+
+def _op(custom_op, impl):
+    """The custom operator while torch.compile traces (an opaque node in its graph, see ops.py),
+    the plain function otherwise (the dispatcher's round trip costs host time in eager mode)."""
+    return custom_op if torch.compiler.is_compiling() else impl
 
 
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -135,10 +147,10 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if activation == "gelu":
             return F.gelu(y, approximate="tanh")
         return F.relu(y) if activation == "relu" else y
-    device_type = x.device.type
-    if device_type not in _FUNCTIONS:
-        _FUNCTIONS[device_type] = _make_function(device_type)
-    return _FUNCTIONS[device_type].apply(x, weight, bias, activation, dtype)
+    key = (x.device.type, torch.compiler.is_compiling())
+    if key not in _FUNCTIONS:
+        _FUNCTIONS[key] = _make_function(key[0], amp_decorators=not key[1])
+    return _FUNCTIONS[key].apply(x, weight, bias, activation, dtype)
 
 
 class TritonLinear(nn.Module):

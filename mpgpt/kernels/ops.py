@@ -1,0 +1,68 @@
+"""TritonLinear's three kernels as PyTorch custom operators, so `torch.compile` can trace models
+that use them (chapter 6, chapter 7's `bf16+compile+triton` row).
+
+Left to itself, Dynamo (torch.compile's tracer) steps *into* a Python function it meets. Inside
+`matmul` it finds Python it cannot put in a graph: `data_ptr()`, Triton's launcher, and on a CPU
+the Triton interpreter, which it cannot trace at all. So the graph breaks at every layer, or
+compiling fails outright.
+
+A custom operator is a box with a declared signature. Dynamo records one call to it and does not
+look inside. Its "fake" implementation tells the compiler the outputs' shapes and dtypes without
+running anything. At run time the box runs our Python as usual, including the lean launch path.
+
+The operators (namespace `mpgpt`):
+    linear_forward(x2, w, bias, activation, keep_z) -> (y, z)   y = act(x2 @ w.T + bias), z its input
+    matmul(a, b, out_dtype) -> a @ b                             the two gradient GEMMs
+    gelu_backward(grad, z) -> grad * gelu'(z)
+
+`linear.py` calls them only while torch.compile traces (`torch.compiler.is_compiling()`). In
+eager mode it calls the same Python directly, because each trip through the dispatcher costs
+host time.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .gelu import gelu_backward as gelu_backward_impl
+from .matmul import _matmul_2d
+
+
+def linear_forward_impl(x2: Tensor, w: Tensor, bias: Optional[Tensor], activation: Optional[str],
+                        keep_z: bool) -> tuple[Tensor, Tensor]:
+    """y = act(x2 @ w.T + bias) in x2's dtype, x2: (M, in), w: (out, in) -> y: (M, out).
+    With keep_z also z = x2 @ w.T + bias (GELU's backward needs it); otherwise z is empty."""
+    y = torch.empty((x2.shape[0], w.shape[0]), dtype=x2.dtype, device=x2.device)
+    z = torch.empty_like(y) if keep_z else y.new_empty(0)
+    _matmul_2d(x2, w.t(), y, bias=bias, z=z if keep_z else None, activation=activation)
+    return y, z
+
+
+def matmul_impl(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """a @ b, a: (M, K), b: (K, N), any strides -> a new (M, N) tensor of out_dtype."""
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+    _matmul_2d(a, b, out)
+    return out
+
+
+linear_forward = torch.library.custom_op("mpgpt::linear_forward", mutates_args=())(linear_forward_impl)
+matmul = torch.library.custom_op("mpgpt::matmul", mutates_args=())(matmul_impl)
+gelu_backward = torch.library.custom_op("mpgpt::gelu_backward", mutates_args=())(gelu_backward_impl)
+
+
+@linear_forward.register_fake
+def _(x2, w, bias, activation, keep_z):
+    y = x2.new_empty((x2.shape[0], w.shape[0]))
+    return y, (torch.empty_like(y) if keep_z else y.new_empty(0))
+
+
+@matmul.register_fake
+def _(a, b, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@gelu_backward.register_fake
+def _(grad, z):
+    return torch.empty_like(grad, memory_format=torch.contiguous_format)
