@@ -81,6 +81,17 @@ def test_compiled_launch_passes_arguments_in_parameter_order():
     assert compiled_launch(jit_fn, None, (1,), ("x", "y", 1, 1), {"BLOCK": 1}, 2, get_stream=str) is None
 
 
+def test_tma_store_needs_aligned_row_major_outputs():
+    """The TMA kernel stores through descriptors only where one can address the output:
+    row-major, 16-byte-aligned base and row pitch, for c and (if given) z."""
+    c = torch.empty(64, 64, dtype=torch.bfloat16)
+    assert mm._tma_store_ok(c, None) and mm._tma_store_ok(c, torch.empty_like(c))
+    assert not mm._tma_store_ok(c.t(), None)                                  # column-major
+    assert not mm._tma_store_ok(torch.empty(64, 72, dtype=torch.bfloat16)[:, 1:65], None)  # base off by 2 bytes
+    assert not mm._tma_store_ok(torch.empty(64, 68, dtype=torch.bfloat16)[:, :64], None)  # pitch 136 bytes
+    assert not mm._tma_store_ok(c, torch.empty(64, 72, dtype=torch.bfloat16)[:, 1:65])  # z misaligned
+
+
 def test_lean_launch_switch(monkeypatch):
     from mpgpt.kernels.launch import lean_launch_enabled
     monkeypatch.setenv("MPGPT_LEAN_LAUNCH", "0")

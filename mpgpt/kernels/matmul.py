@@ -653,30 +653,33 @@ def _tma_layout(a, b, M, N, K):
     if min(M, N, K) < 16:
         return None
 
-    def layout(t):
-        if t.data_ptr() % 16:
-            return None
-        s0, s1 = t.stride()
-        if s1 == 1 and (s0 * t.element_size()) % 16 == 0:
-            return False, s0  # row-major
-        if s0 == 1 and (s1 * t.element_size()) % 16 == 0:
-            return True, s1  # column-major: the memory holds the transpose, row-major
-        return None
-
-    la, lb = layout(a), layout(b)
+    la, lb = _tma_operand_layout(a), _tma_operand_layout(b)
     if la is None or lb is None:
         return None
     return la, lb
 
 
+def _tma_operand_layout(t):
+    """(transposed, pitch) if a TMA descriptor can address the 2-D tensor t, else None: a
+    16-byte-aligned base, one unit stride, and the other stride a multiple of 16 bytes."""
+    if t.data_ptr() % 16:
+        return None
+    s0, s1 = t.stride()
+    if s1 == 1 and (s0 * t.element_size()) % 16 == 0:
+        return False, s0  # row-major
+    if s0 == 1 and (s1 * t.element_size()) % 16 == 0:
+        return True, s1  # column-major: the memory holds the transpose, row-major
+    return None
+
+
 def _tma_store_ok(c, z):
-    """Whether the TMA kernel may store c (and z) through descriptors: row-major rows with a
-    16-byte-aligned base and row pitch (a TMA descriptor's rules, as for the inputs)."""
+    """Whether the TMA kernel may store c (and z) through descriptors: each must be addressable
+    by a TMA descriptor as row-major (the kernel's store descriptors are)."""
     for t in (c, z):
-        if t is None:
-            continue
-        if t.data_ptr() % 16 or t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16:
-            return False
+        if t is not None:
+            layout = _tma_operand_layout(t)
+            if layout is None or layout[0]:
+                return False
     return True
 
 
