@@ -267,6 +267,7 @@ def _matmul_kernel_tma(
     PPS: tl.constexpr,              # persistent programs per multiprocessor (1 or 2)
     STREAM_K: tl.constexpr,         # 0: whole tiles only; 1 or 2: the last 1 or 2 waves of tiles
                                     # are shared out by K-iterations (stream-K; launch NUM_SMS programs)
+    SK_FIXUP: tl.constexpr = True,  # PROBE ONLY (benchmarks/sk_probe.py): False skips the fixup (wrong sums)
 ):
     # TMA descriptors describe the whole matrix once; loads then name a tile by its corner and
     # the copy engine fetches it into shared memory, zero-filling whatever lies past the edge.
@@ -359,7 +360,12 @@ def _matmul_kernel_tma(
             for ki in range(kb, ke):
                 a, b = _load_ab(a_desc, b_desc, off_m, off_n, ki * BLOCK_K, A_T, B_T)
                 acc = tl.dot(a, b, acc)
-            if kb > 0:
+            if not SK_FIXUP:
+                if kb == 0:
+                    _tile_epilogue(acc, c_desc, z_desc, c_ptr, z_ptr, bias_ptr, off_m, off_n, M, N,
+                                   stride_cm, stride_cn, stride_zm, stride_zn, HAS_BIAS, ACTIVATION, STORE_Z,
+                                   USE_TMA_STORE, EPILOGUE_SUBTILE, BLOCK_M, BLOCK_N)
+            elif kb > 0:
                 # Not the owner: publish the partial sum. The barrier makes every thread's stores
                 # happen before the one release that raises the flag.
                 tl.store(ws_ptr + seg * BLOCK_M * BLOCK_N + offs_ws, acc)
@@ -641,8 +647,8 @@ def _run_plan(plan, a, b, c, bias, z):
         return c
     if tma:
         _set_tma_allocator()  # the device-side TMA descriptors' scratch memory
-        ws, flags = _stream_k_workspace(a.device)
-        launch(dev, a, b, c, bias if bias is not None else c, z if z is not None else c, ws, flags)
+        ws, sk_flags = _stream_k_workspace(a.device)
+        launch(dev, a, b, c, bias if bias is not None else c, z if z is not None else c, ws, sk_flags)
         return c
     launch(dev, a, b, c, bias if bias is not None else c, z if z is not None else c)
     return c
@@ -695,9 +701,9 @@ def _matmul_2d_launch(a, b, c, bias, z, flags, kernel, split_k, stride_cs, inter
         num_sms = _num_sms(a.device)
         _set_tma_allocator()
         tuned, fixed = _launcher(_matmul_tma, _matmul_kernel_tma, _FIXED_TMA)
-        ws, flags = _stream_k_workspace(a.device, fixed.get("BLOCK_M", 0) * fixed.get("BLOCK_N", 0))
+        ws, sk_flags = _stream_k_workspace(a.device, fixed.get("BLOCK_M", 0) * fixed.get("BLOCK_N", 0))
         grid = lambda meta: (_tma_programs(num_sms, M, N, meta),)
-        args = (a, b, c, bias_arg, z_arg, ws, flags, M, N, K, stride_a, stride_b, *c.stride(), *zs)
+        args = (a, b, c, bias_arg, z_arg, ws, sk_flags, M, N, K, stride_a, stride_b, *c.stride(), *zs)
         kwargs = dict(A_T=a_t, B_T=b_t, TMA_STORE_OK=_tma_store_ok(c, z), NUM_SMS=num_sms, **flags)
     else:
         tuned, fixed = _launcher(_matmul_grouped, _matmul_kernel, _FIXED_GROUPED)
