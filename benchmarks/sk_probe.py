@@ -21,13 +21,13 @@ WS = torch.empty(SMS * 128 * 256, device="cuda")
 FLAGS = torch.zeros(SMS, dtype=torch.int32, device="cuda")
 
 
-def launch(a, w, c, sk, fix=True, warps=8, stages=4, bk=64):
+def launch(a, w, c, sk, fix=True, warps=8, stages=4, bk=64, bn=128):
     M, K = a.shape
     N = w.shape[0]
-    grid = (SMS if sk else min(SMS, triton.cdiv(M, 128) * triton.cdiv(N, 128)),)
+    grid = (SMS if sk else min(SMS, triton.cdiv(M, 128) * triton.cdiv(N, bn)),)
     _matmul_kernel_tma[grid](a, w, c, c, c, WS, FLAGS, M, N, K, K, K, N, 1, 0, 0, A_T=False, B_T=True,
                              HAS_BIAS=False, ACTIVATION="", STORE_Z=False, TMA_STORE_OK=True, NUM_SMS=SMS,
-                             BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk, GROUP_M=8, EPILOGUE_SUBTILE=False, TMA_STORE=True,
+                             BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, EPILOGUE_SUBTILE=False, TMA_STORE=True,
                              WARP_SPECIALIZE=False, PPS=1, STREAM_K=sk, SK_FIXUP=fix, num_warps=warps,
                              num_stages=stages)
 
@@ -51,11 +51,19 @@ def main():
             cases.append((f"rest after {waves} waves, all split", M - rows_dp, 1, True))
             cases.append((f"rest after {waves} waves, split, no fixup", M - rows_dp, 1, False))
         cases += [("whole tiles 4 warps", M, 0, True, 4), ("sk1 4 warps", M, 1, True, 4)]
+        if "--wide" in sys.argv:  # 128 x 256 tiles, 3 stages: 288 tiles, 2.18 waves
+            cases = [(f"128x256 {lab}", M, sk, fix, 8, 256) for lab, sk, fix in (
+                ("whole tiles", 0, True), ("sk1", 1, True), ("sk2", 2, True), ("sk1 no fixup", 1, False),
+                ("sk2 no fixup", 2, False))]
+            cases += [("128x256 first 2 waves alone", 2 * SMS // 3 * 128, 0, True, 8, 256),
+                      ("128x256 rest after 2 waves, split", M - 2 * SMS // 3 * 128, 1, True, 8, 256),
+                      ("128x256 rest after 2 waves, split, no fixup", M - 2 * SMS // 3 * 128, 1, False, 8, 256)]
         for case in cases:
             label, m, sk, fix = case[:4]
             warps = case[4] if len(case) > 4 else 8
+            bn = case[5] if len(case) > 5 else 128
             aa, cc = a[:m], c[:m]
-            fn = lambda: launch(aa, w, cc, sk, fix, warps)
+            fn = lambda: launch(aa, w, cc, sk, fix, warps, stages=3 if bn == 256 else 4, bn=bn)
             cc.fill_(float("nan"))
             fn()
             torch.cuda.synchronize()
@@ -65,9 +73,10 @@ def main():
                        cublas_us_full=round(cub, 2), rel_err=err, flags_left=int(FLAGS.sum().item()))
             rows.append(row)
             print(f"{name:12} {label:40} M={m:6} {us:7.2f} us  (cuBLAS full {cub:.1f})  err {err:.1e}", flush=True)
-    if len(sys.argv) > 1:
+    out = [x for x in sys.argv[1:] if not x.startswith("--")]
+    if out:
         from mpgpt.bench import environment
-        with open(sys.argv[1], "w") as fh:
+        with open(out[0], "w") as fh:
             json.dump({"environment": environment(), "command": " ".join(sys.argv), "rows": rows}, fh, indent=1)
 
 
