@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 4, call 3 (kind nvidia-h200, .whl carried): where stream-K's time goes
-# (benchmarks/sk_probe.py), then the TMA-kernel GPU tests after the host fix.
+# Session 4, calls 2 and 3 (kind nvidia-h200, .whl carried), at commits eb33c5b and 7ffc3cd (the STREAM_K option,
+# removed afterwards): where stream-K time goes (benchmarks/sk_probe.py; call 3 with --wide).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=/tmp/logs; mkdir -p $LOG

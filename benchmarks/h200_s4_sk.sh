@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Session 4, call 1 (kind nvidia-h200, .whl carried): the stream-K variant sweep at the N = 768
-# shapes (benchmarks/tma_variants.py --stream-k), then the TMA-kernel GPU tests (stream-K's among them).
+# Session 4, call 1 (kind nvidia-h200, .whl carried), at commit ddad518 (its STREAM_K option was removed
+# afterwards): the stream-K variant sweep at the N = 768 shapes (benchmarks/tma_variants.py --stream-k),
+# then the TMA-kernel GPU tests.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=/tmp/logs; mkdir -p $LOG

@@ -5,7 +5,11 @@ the two N = 768 shapes: whole tiles only; stream-K over the last wave (STREAM_K=
 two (2); the same without the fixup (SK_FIXUP=False: no workspace, no flags, wrong sums: the
 cost of the split schedule alone); and the two phases on their own: the whole-tile waves alone
 (the first 4 or 3 waves' rows) and the stream-K part alone (the remaining rows, every tile split).
-Run on the H200:  python benchmarks/sk_probe.py OUT.json
+Run on the H200:  python benchmarks/sk_probe.py [--wide] OUT.json
+This ran at commit 6e7d906, whose TMA kernel had the STREAM_K option (and this probe's SK_FIXUP
+knob); both were removed after these measurements (results/sk-probe*_*.json; NOTES-kernels.md,
+"Session 4"). The sweep results/tma-variants-sk_*.json came from tma_variants.py --stream-k at
+commit ddad518 (same kernel).
 """
 import json
 import sys

@@ -13,9 +13,6 @@ Kernels are compiled in parallel worker processes first (into Triton's disk cach
 one at a time in this process.
 
 Run on a Hopper GPU:  python benchmarks/tma_variants.py OUT.json
-With --stream-k: the N = 768 shapes only, every tile x TMA store x subtiled epilogue with
-STREAM_K = 0, 1, 2 (whole tiles; stream-K over the last wave; over the last two), one program
-per SM, no warp specialisation (results/tma-variants-sk_*.json).
 (results/tma-variants-extra_*.json came from this script's --extra mode at commit b5fedbe, which
 timed 192-row tiles, EXTRA_M=64, a kernel option removed after it measured slower.)
 """
@@ -51,26 +48,6 @@ def variants():
     return out
 
 
-def variants_stream_k():
-    """The 60 stream-K variants (see the module docstring)."""
-    tiles = [(128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (128, 128, 64, 3, 4), (128, 128, 128, 3, 8),
-             (128, 256, 64, 3, 8)]
-    return [dict(tile=tile, TMA_STORE=ts, EPILOGUE_SUBTILE=sub, WARP_SPECIALIZE=False, PPS=1, STREAM_K=sk)
-            for tile, ts, sub, sk in itertools.product(tiles, (False, True), (False, True), (0, 1, 2))]
-
-
-_WORKSPACE = {}
-
-
-def _workspace(num_sms):
-    """Stream-K's fp32 workspace (the largest tile, 128 x 256, for every program) and flags."""
-    import torch
-    if num_sms not in _WORKSPACE:
-        _WORKSPACE[num_sms] = (torch.empty(num_sms * 128 * 256, device="cuda"),
-                               torch.zeros(num_sms, dtype=torch.int32, device="cuda"))
-    return _WORKSPACE[num_sms]
-
-
 def _tensors(M, K, N, flags):
     import torch
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -90,11 +67,8 @@ def _launch(v, a, w, bias, c, z, flags, num_sms):
     N = w.shape[0]
     bm, bn, bk, stages, warps = v["tile"]
     _set_tma_allocator()
-    sk = v.get("STREAM_K", 0)
-    grid = (num_sms if sk else min(num_sms * v["PPS"], triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
-    ws, flags_t = _workspace(num_sms)
-    _matmul_kernel_tma[grid](a, w, c, bias, z, ws, flags_t, M, N, K, a.stride(0), w.stride(0), c.stride(0), 1,
-                             z.stride(0), 1, STREAM_K=sk,
+    grid = (min(num_sms * v["PPS"], triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
+    _matmul_kernel_tma[grid](a, w, c, bias, z, M, N, K, a.stride(0), w.stride(0), c.stride(0), 1, z.stride(0), 1,
                              A_T=False, B_T=True, TMA_STORE_OK=True, TMA_STORE=v["TMA_STORE"], PPS=v["PPS"],
                              NUM_SMS=num_sms,
                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, EPILOGUE_SUBTILE=v["EPILOGUE_SUBTILE"],
@@ -120,10 +94,8 @@ def main():
     import torch
     import torch.nn.functional as F
     from triton.testing import do_bench_cudagraph
-    stream_k = "--stream-k" in sys.argv
-    vs = variants_stream_k() if stream_k else variants()
-    shapes = {k: v for k, v in SHAPES.items() if not stream_k or k in ("attn.c_proj", "mlp.c_proj")}
-    jobs = [(v, f) for f in sorted({s[3] for s in shapes.values()}) for v in vs]
+    vs = variants()
+    jobs = [(v, f) for f in FLAGS for v in vs]
     t0 = time.time()
     with mp.get_context("spawn").Pool(14) as pool:
         errors = pool.map(_compile_worker, jobs)
@@ -134,7 +106,7 @@ def main():
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for name, (M, K, N, flags) in shapes.items():
+    for name, (M, K, N, flags) in SHAPES.items():
         a, w, bias, c, z = _tensors(M, K, N, flags)
         f = FLAGS[flags]
         ref = a.float() @ w.float().t()
@@ -171,12 +143,12 @@ def main():
             if best is None or row["us"] < best["us"]:
                 best = row
         print(f"{name}: cuBLAS {cublas_ms * 1e3:.1f} us; best {best['us']} us ({best['vs_cublas']}x) "
-              f"{ {k: best.get(k) for k in ('tile', 'TMA_STORE', 'EPILOGUE_SUBTILE', 'WARP_SPECIALIZE', 'PPS', 'STREAM_K')} }",
+              f"{ {k: best[k] for k in ('tile', 'TMA_STORE', 'EPILOGUE_SUBTILE', 'WARP_SPECIALIZE', 'PPS')} }",
               flush=True)
         for r in sorted((r for r in rows if r["shape"] == name and "us" in r), key=lambda r: r["us"])[:6]:
             print("   ", r["us"], r["vs_cublas"], r["tile"], "TS" if r["TMA_STORE"] else "--",
                   "SUB" if r["EPILOGUE_SUBTILE"] else "---", "WS" if r["WARP_SPECIALIZE"] else "--",
-                  f"pps{r['PPS']}", f"sk{r.get('STREAM_K', 0)}", flush=True)
+                  f"pps{r['PPS']}", flush=True)
     out = [x for x in sys.argv[1:] if not x.startswith("--")]
     if out:
         from mpgpt.bench import environment

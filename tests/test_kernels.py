@@ -92,49 +92,6 @@ def test_tma_store_needs_aligned_row_major_outputs():
     assert not mm._tma_store_ok(c, torch.empty(64, 72, dtype=torch.bfloat16)[:, 1:65])  # z misaligned
 
 
-def launch_stream_k(a, w, bias, activation, programs, stream_k, block, c, tma_store=True, subtile=False,
-                    warps=4):
-    """Launch the TMA kernel in stream-K mode directly on `programs` programs: c = act(a @ w.t() + bias).
-    Returns the flags (all 0 again after a correct launch)."""
-    M, K = a.shape
-    N = w.shape[0]
-    ws = torch.full((programs * block * block,), float("nan"), device=a.device)  # poison
-    flags = torch.zeros(programs, dtype=torch.int32, device=a.device)
-    if a.is_cuda:
-        mm._set_tma_allocator()
-    mm._matmul_kernel_tma[(programs,)](
-        a, w.t(), c, bias if bias is not None else c, c, ws, flags, M, N, K, K, K, *c.stride(), 0, 0,
-        A_T=False, B_T=True, HAS_BIAS=bias is not None, ACTIVATION=activation or "", STORE_Z=False,
-        TMA_STORE_OK=tma_store, NUM_SMS=programs, BLOCK_M=block, BLOCK_N=block, BLOCK_K=block // 2, GROUP_M=2,
-        EPILOGUE_SUBTILE=subtile, TMA_STORE=tma_store, WARP_SPECIALIZE=False, PPS=1, STREAM_K=stream_k,
-        num_warps=warps, num_stages=3)
-    return flags
-
-
-# (M, N, K, programs, STREAM_K, epilogue): (64, 32, 200, 7, 1): 2 tiles of 13 K-steps shared by 7
-# programs, so a tile is cut into up to 5 pieces; (32, 32, 16, 5, 1): one K-step, 4 programs idle;
-# (100, 72, 48, 3, 2): whole tiles first, then two waves split; (130, 104, 160, 5, 1): bias+GELU
-# with the halved epilogue; (130, 100, 160, 6, 2): N=100 rows are not 16-byte aligned, pointer stores.
-@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 through the interpreter; the GPU test covers sm_90")
-@pytest.mark.parametrize("M,N,K,programs,stream_k,epilogue", [
-    (64, 32, 200, 7, 1, None), (32, 32, 16, 5, 1, None), (100, 72, 48, 3, 2, None), (33, 40, 24, 4, 2, None),
-    (130, 104, 160, 5, 1, "gelu-subtile"), (130, 100, 160, 6, 2, "relu-pointer")])
-def test_stream_k_schedule_matches_float64(M, N, K, programs, stream_k, epilogue):
-    """Stream-K (matmul.py's TMA kernel, STREAM_K > 0) cuts tiles between programs along K and
-    the tile's owner adds the other pieces from a workspace. Run through the interpreter in fp16
-    (exact products there) with few programs, so tiles are cut into several pieces: the output
-    must match float64, and every flag must be lowered again for the next launch. A piece lost or
-    added twice gives an error ~1; a tile never stored stays NaN."""
-    act = {"gelu-subtile": "gelu", "relu-pointer": "relu"}.get(epilogue)
-    a, w = rand(M, K, dtype=torch.float16), rand(N, K, dtype=torch.float16)
-    bias = rand(N, dtype=torch.float16) if act else None
-    c = torch.full((M, N), float("nan"), dtype=torch.float16)
-    flags = launch_stream_k(a, w, bias, act, programs, stream_k, 32, c, tma_store=epilogue != "relu-pointer",
-                            subtile=epilogue == "gelu-subtile")
-    assert rel_err(c, reference(a, w.t(), bias, act)) < TOL[torch.float16]
-    assert flags.abs().sum().item() == 0
-
-
 def test_lean_launch_switch(monkeypatch):
     from mpgpt.kernels.launch import lean_launch_enabled
     monkeypatch.setenv("MPGPT_LEAN_LAUNCH", "0")
@@ -531,26 +488,6 @@ def test_gpu_every_tma_config_is_correct(monkeypatch):
         assert rel_err(z, reference(a, w.t(), bias)) < 1e-2, fixed
         assert rel_err(plain, reference(a, w.t())) < 1e-2, fixed
         assert torch.isnan(wide[:, 0]).all() and torch.isnan(wide[:, N + 1:]).all(), fixed  # nothing outside
-
-
-@pytest.mark.sm80
-def test_gpu_stream_k_repeated_launches():
-    """Stream-K on the GPU, where programs run at the same time and the owner of a cut tile
-    really waits for the flags: the GPT-2 N = 768 shapes with the GPU's own program count, and a
-    few programs (tiles cut into many pieces), each launched three times on fresh inputs into the
-    same flags (a flag left raised would hand the next launch a stale piece)."""
-    if "tma" not in _gpu_kernels():
-        pytest.skip("the TMA kernel needs sm_90")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for M, N, K, programs, stream_k in ((12288, 768, 768, sms, 1), (12288, 768, 3072, sms, 2),
-                                        (1000, 776, 1000, 7, 1), (4096, 1024, 4096, 3, 2)):
-        for _ in range(3):
-            a, w, bias = rand(M, K), rand(N, K), rand(N)
-            c = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-            flags = launch_stream_k(a, w, bias, "gelu", programs, stream_k, 128, c, warps=8)
-            torch.cuda.synchronize()
-            assert rel_err(c, reference(a, w.t(), bias, "gelu")) < 1e-2, (M, N, K, programs)
-            assert flags.abs().sum().item() == 0
 
 
 @pytest.mark.sm80

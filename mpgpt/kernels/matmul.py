@@ -102,9 +102,9 @@ _AMPERE = [
 # per multiprocessor: 2 lets one program's epilogue overlap another's main loop). Chosen from a
 # sweep of 72 variants on the H200 (benchmarks/tma_variants.py, results/tma-variants_*.json):
 # the fastest one or two per GPT-2 shape, plus the large-square configs.
-def _tma_cfg(bm, bn, bk, stages, warps, store=False, subtile=False, ws=False, pps=1, sk=0):
+def _tma_cfg(bm, bn, bk, stages, warps, store=False, subtile=False, ws=False, pps=1):
     return _cfg(bm, bn, bk, stages, warps, arch="sm90", TMA_STORE=store, EPILOGUE_SUBTILE=subtile,
-                WARP_SPECIALIZE=ws, PPS=pps, STREAM_K=sk)
+                WARP_SPECIALIZE=ws, PPS=pps)
 
 
 _TMA = [
@@ -118,11 +118,6 @@ _TMA = [
     _tma_cfg(128, 128, 64, 3, 4, store=True, subtile=True, pps=2),
     _tma_cfg(128, 128, 128, 3, 8),                          # mlp.c_proj (2nd)
     _tma_cfg(128, 128, 64, 4, 8),
-    # Stream-K over the last one or two waves (N = 768: 576 tiles on 132 multiprocessors).
-    _tma_cfg(128, 128, 64, 4, 4, store=True, subtile=True, sk=1),
-    _tma_cfg(128, 128, 64, 4, 4, store=True, subtile=True, sk=2),
-    _tma_cfg(128, 128, 64, 4, 8, store=True, sk=1),
-    _tma_cfg(128, 128, 64, 4, 8, store=True, sk=2),
 ]
 # The interpreter runs one program at a time in numpy: a fixed small tile, no autotuning.
 _INTERPRET_BLOCK = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
@@ -249,8 +244,6 @@ def _matmul_kernel(
 @triton.jit
 def _matmul_kernel_tma(
     a_ptr, b_ptr, c_ptr, bias_ptr, z_ptr,   # as in _matmul_kernel
-    ws_ptr,                         # stream-K only: fp32 workspace, one (BLOCK_M, BLOCK_N) tile a program
-    flags_ptr,                      # stream-K only: int32, one a program, 0 between launches
     M, N, K,
     stride_a,                       # the non-unit stride of A's memory (its row pitch)
     stride_b,                       # the non-unit stride of B's memory
@@ -265,9 +258,6 @@ def _matmul_kernel_tma(
     TMA_STORE: tl.constexpr,        # store output tiles through TMA descriptors (if TMA_STORE_OK)
     WARP_SPECIALIZE: tl.constexpr,  # let the compiler split loads and MMAs into separate warps
     PPS: tl.constexpr,              # persistent programs per multiprocessor (1 or 2)
-    STREAM_K: tl.constexpr,         # 0: whole tiles only; 1 or 2: the last 1 or 2 waves of tiles
-                                    # are shared out by K-iterations (stream-K; launch NUM_SMS programs)
-    SK_FIXUP: tl.constexpr = True,  # PROBE ONLY (benchmarks/sk_probe.py): False skips the fixup (wrong sums)
 ):
     # TMA descriptors describe the whole matrix once; loads then name a tile by its corner and
     # the copy engine fetches it into shared memory, zero-filling whatever lies past the edge.
@@ -307,126 +297,41 @@ def _matmul_kernel_tma(
     # software-pipelined across tiles, and the epilogue must not share the prologue's counter.
     tile_id_c = start_pid - NUM_PROGRAMS
 
-    # Stream-K (STREAM_K > 0). Whole tiles leave the last wave part-full when the tile count is
-    # not a multiple of the programs: at N = 768 (576 tiles for 132 programs), the fifth wave
-    # keeps 48 multiprocessors busy and 84 idle. So only the first waves are handed out as whole
-    # tiles; the K-iterations of the rest (the last STREAM_K waves, the part-full one included)
-    # are split into equal contiguous segments, one a program, that may start and end inside a
-    # tile (Osama et al., "Stream-K", PPoPP 2023).
-    dp_tiles = num_tiles
-    if STREAM_K > 0:
-        dp_tiles = tl.maximum(num_tiles // NUM_PROGRAMS - (STREAM_K - 1), 0) * NUM_PROGRAMS
-
-    for tile_id in tl.range(start_pid, dp_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+    for tile_id in tl.range(start_pid, num_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
-            a, b = _load_ab(a_desc, b_desc, off_m, off_n, ki * BLOCK_K, A_T, B_T)
+            off_k = ki * BLOCK_K
+            if A_T:
+                a = a_desc.load([off_k, off_m]).T
+            else:
+                a = a_desc.load([off_m, off_k])
+            if B_T:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
             acc = tl.dot(a, b, acc)
 
         tile_id_c += NUM_PROGRAMS
         pid_m, pid_n = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
-        _tile_epilogue(acc, c_desc, z_desc, c_ptr, z_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
-                       stride_cm, stride_cn, stride_zm, stride_zn, HAS_BIAS, ACTIVATION, STORE_Z,
-                       USE_TMA_STORE, EPILOGUE_SUBTILE, BLOCK_M, BLOCK_N)
-
-    if STREAM_K > 0:
-        # Segment s covers K-iterations [first, last) of the remaining tiles, counted tile after
-        # tile. A tile cut between segments is finished by the segment holding its first
-        # iterations (its "owner"): every other piece is the FIRST piece of its own segment, so
-        # it is computed at once, written to the workspace, and flagged; the owner's piece is the
-        # LAST of its segment, by which time the pieces it adds are usually there. Segments are
-        # numbered from the last program down: programs start in increasing order, so each one
-        # waits only on programs that started before it (never a deadlock, even on a busy GPU,
-        # and the interpreter, which runs programs one after another, works too).
-        seg = NUM_PROGRAMS - 1 - start_pid
-        sk_iters = (num_tiles - dp_tiles) * k_tiles
-        per = sk_iters // NUM_PROGRAMS
-        extra = sk_iters % NUM_PROGRAMS
-        it = dp_tiles * k_tiles + seg * per + tl.minimum(seg, extra)
-        last = it + per + (seg < extra).to(tl.int32)
-        # Offsets of one fp32 (BLOCK_M, BLOCK_N) tile in the workspace, row-major.
-        offs_ws = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        while it < last:
-            tile_id = it // k_tiles
-            kb = it - tile_id * k_tiles                      # this piece: iterations [kb, ke)
-            ke = tl.minimum(k_tiles, kb + (last - it))
-            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            off_m = pid_m * BLOCK_M
-            off_n = pid_n * BLOCK_N
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for ki in range(kb, ke):
-                a, b = _load_ab(a_desc, b_desc, off_m, off_n, ki * BLOCK_K, A_T, B_T)
-                acc = tl.dot(a, b, acc)
-            if not SK_FIXUP:
-                if kb == 0:
-                    _tile_epilogue(acc, c_desc, z_desc, c_ptr, z_ptr, bias_ptr, off_m, off_n, M, N,
-                                   stride_cm, stride_cn, stride_zm, stride_zn, HAS_BIAS, ACTIVATION, STORE_Z,
-                                   USE_TMA_STORE, EPILOGUE_SUBTILE, BLOCK_M, BLOCK_N)
-            elif kb > 0:
-                # Not the owner: publish the partial sum. The barrier makes every thread's stores
-                # happen before the one release that raises the flag.
-                tl.store(ws_ptr + seg * BLOCK_M * BLOCK_N + offs_ws, acc)
-                tl.debug_barrier()
-                tl.atomic_xchg(flags_ptr + seg, 1, sem="release", scope="gpu")
-            else:
-                # The owner: add the pieces of the following segments until the tile is complete.
-                tile_end = (tile_id + 1) * k_tiles
-                done = it + ke                               # iterations of this tile summed so far
-                nxt = seg + 1
-                while done < tile_end:
-                    # Wait for the flag and take it back to 0 (ready for the next launch).
-                    while tl.atomic_cas(flags_ptr + nxt, 1, 0, sem="acquire", scope="gpu") != 1:
-                        pass
-                    acc += tl.load(ws_ptr + nxt * BLOCK_M * BLOCK_N + offs_ws, cache_modifier=".cg")
-                    nxt_last = (nxt + 1) * per + tl.minimum(nxt + 1, extra) + dp_tiles * k_tiles
-                    done = tl.minimum(nxt_last, tile_end)
-                    nxt += 1
-                _tile_epilogue(acc, c_desc, z_desc, c_ptr, z_ptr, bias_ptr, off_m, off_n, M, N,
-                               stride_cm, stride_cn, stride_zm, stride_zn, HAS_BIAS, ACTIVATION, STORE_Z,
-                               USE_TMA_STORE, EPILOGUE_SUBTILE, BLOCK_M, BLOCK_N)
-            it += ke - kb
-
-
-@triton.jit
-def _load_ab(a_desc, b_desc, off_m, off_n, off_k, A_T: tl.constexpr, B_T: tl.constexpr):
-    """The (BLOCK_M, BLOCK_K) tile of A and the (BLOCK_K, BLOCK_N) tile of B at K-offset off_k,
-    through the TMA descriptors (a transposed operand is loaded as stored and viewed as .T)."""
-    if A_T:
-        a = a_desc.load([off_k, off_m]).T
-    else:
-        a = a_desc.load([off_m, off_k])
-    if B_T:
-        b = b_desc.load([off_n, off_k]).T
-    else:
-        b = b_desc.load([off_k, off_n])
-    return a, b
-
-
-@triton.jit
-def _tile_epilogue(acc, c_desc, z_desc, c_ptr, z_ptr, bias_ptr, off_m, off_n, M, N,
-                   stride_cm, stride_cn, stride_zm, stride_zn,
-                   HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_Z: tl.constexpr,
-                   USE_TMA_STORE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The epilogue of the finished (BLOCK_M, BLOCK_N) tile acc whose corner is (off_m, off_n):
-    whole, or (EPILOGUE_SUBTILE) in two (BLOCK_M, BLOCK_N/2) halves, so that the epilogue's
-    fp32 temporaries (GELU's) and the store buffer are half the size."""
-    if EPILOGUE_SUBTILE:
-        SUB_N: tl.constexpr = BLOCK_N // 2
-        acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, SUB_N)), (0, 2, 1)))
-        _tma_epilogue(acc0, c_desc, z_desc, c_ptr, z_ptr, bias_ptr, off_m, off_n, M, N,
-                      stride_cm, stride_cn, stride_zm, stride_zn,
-                      HAS_BIAS, ACTIVATION, STORE_Z, USE_TMA_STORE, BLOCK_M, SUB_N)
-        _tma_epilogue(acc1, c_desc, z_desc, c_ptr, z_ptr, bias_ptr, off_m, off_n + SUB_N, M, N,
-                      stride_cm, stride_cn, stride_zm, stride_zn,
-                      HAS_BIAS, ACTIVATION, STORE_Z, USE_TMA_STORE, BLOCK_M, SUB_N)
-    else:
-        _tma_epilogue(acc, c_desc, z_desc, c_ptr, z_ptr, bias_ptr, off_m, off_n, M, N,
-                      stride_cm, stride_cn, stride_zm, stride_zn,
-                      HAS_BIAS, ACTIVATION, STORE_Z, USE_TMA_STORE, BLOCK_M, BLOCK_N)
+        off_cm = pid_m * BLOCK_M
+        off_cn = pid_n * BLOCK_N
+        if EPILOGUE_SUBTILE:
+            # (BLOCK_M, BLOCK_N) -> two (BLOCK_M, BLOCK_N/2) halves: the epilogue's fp32
+            # temporaries (GELU's) and the store buffer are half the size.
+            acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, SUB_N)), (0, 2, 1)))
+            _tma_epilogue(acc0, c_desc, z_desc, c_ptr, z_ptr, bias_ptr, off_cm, off_cn, M, N,
+                          stride_cm, stride_cn, stride_zm, stride_zn,
+                          HAS_BIAS, ACTIVATION, STORE_Z, USE_TMA_STORE, BLOCK_M, SUB_N)
+            _tma_epilogue(acc1, c_desc, z_desc, c_ptr, z_ptr, bias_ptr, off_cm, off_cn + SUB_N, M, N,
+                          stride_cm, stride_cn, stride_zm, stride_zn,
+                          HAS_BIAS, ACTIVATION, STORE_Z, USE_TMA_STORE, BLOCK_M, SUB_N)
+        else:
+            _tma_epilogue(acc, c_desc, z_desc, c_ptr, z_ptr, bias_ptr, off_cm, off_cn, M, N,
+                          stride_cm, stride_cn, stride_zm, stride_zn,
+                          HAS_BIAS, ACTIVATION, STORE_Z, USE_TMA_STORE, BLOCK_M, SUB_N)
 
 
 @triton.jit
@@ -647,9 +552,6 @@ def _run_plan(plan, a, b, c, bias, z):
         return c
     if tma:
         _set_tma_allocator()  # the device-side TMA descriptors' scratch memory
-        ws, sk_flags = _stream_k_workspace(a.device)
-        launch(dev, a, b, c, bias if bias is not None else c, z if z is not None else c, ws, sk_flags)
-        return c
     launch(dev, a, b, c, bias if bias is not None else c, z if z is not None else c)
     return c
 
@@ -701,9 +603,8 @@ def _matmul_2d_launch(a, b, c, bias, z, flags, kernel, split_k, stride_cs, inter
         num_sms = _num_sms(a.device)
         _set_tma_allocator()
         tuned, fixed = _launcher(_matmul_tma, _matmul_kernel_tma, _FIXED_TMA)
-        ws, sk_flags = _stream_k_workspace(a.device, fixed.get("BLOCK_M", 0) * fixed.get("BLOCK_N", 0))
-        grid = lambda meta: (_tma_programs(num_sms, M, N, meta),)
-        args = (a, b, c, bias_arg, z_arg, ws, sk_flags, M, N, K, stride_a, stride_b, *c.stride(), *zs)
+        grid = lambda meta: (min(num_sms * meta["PPS"], triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+        args = (a, b, c, bias_arg, z_arg, M, N, K, stride_a, stride_b, *c.stride(), *zs)
         kwargs = dict(A_T=a_t, B_T=b_t, TMA_STORE_OK=_tma_store_ok(c, z), NUM_SMS=num_sms, **flags)
     else:
         tuned, fixed = _launcher(_matmul_grouped, _matmul_kernel, _FIXED_GROUPED)
@@ -715,8 +616,7 @@ def _matmul_2d_launch(a, b, c, bias, z, flags, kernel, split_k, stride_cs, inter
         jit_fn, config = tuned.fn, tuned.best_config.all_kwargs()
     else:
         jit_fn, config = tuned, fixed
-    n_tensors = 7 if tma is not None else 5  # the TMA kernel's workspace and flags follow z
-    return compiled_launch(jit_fn, compiled, grid, args, {**kwargs, **config}, n_tensors=n_tensors), tma is not None
+    return compiled_launch(jit_fn, compiled, grid, args, {**kwargs, **config}, n_tensors=5), tma is not None
 
 
 # MPGPT_AUTOTUNE=0 launches one fixed configuration instead of autotuning. Autotuning compiles
@@ -726,7 +626,7 @@ def _matmul_2d_launch(a, b, c, bias, z, flags, kernel, split_k, stride_cs, inter
 _FIXED_GROUPED = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
 _FIXED_GROUPED_SM80 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=4)
 _FIXED_TMA = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, EPILOGUE_SUBTILE=False, TMA_STORE=True,
-                  WARP_SPECIALIZE=False, PPS=1, STREAM_K=0, num_warps=8, num_stages=4)
+                  WARP_SPECIALIZE=False, PPS=1, num_warps=8, num_stages=4)
 
 
 def _launcher(tuned, plain, fixed):
@@ -781,38 +681,6 @@ def _tma_store_ok(c, z):
             if layout is None or layout[0]:
                 return False
     return True
-
-
-def _tma_programs(num_sms, M, N, meta):
-    """Programs to launch for the TMA kernel: one (or PPS) a multiprocessor, no more than there
-    are tiles; stream-K always launches one a multiprocessor (it splits K to fill them all)."""
-    if meta.get("STREAM_K", 0):
-        return num_sms
-    return min(num_sms * meta["PPS"], triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]))
-
-
-# (device index, CUDA stream) -> (fp32 workspace, int32 flags) for stream-K. Launches on one
-# stream run one after another, so they can share them: every flag a launch raises is lowered
-# again by the program that reads it, and the flags are 0 between launches. Two streams get two.
-_SK_WORKSPACE: dict = {}
-
-
-def _stream_k_workspace(device, tile=0):
-    """The stream-K workspace of the current stream: one fp32 tile a multiprocessor, for the
-    largest stream-K tile among the configurations (or `tile` elements, if larger: a forced one)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (idx, triton.runtime.driver.active.get_current_stream(idx))
-    entry = _SK_WORKSPACE.get(key)
-    if entry is None:
-        tile = max([tile] + [c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] for c in _TMA if c.kwargs["STREAM_K"]])
-        num_sms = _num_sms(device)
-        entry = (torch.empty(num_sms * tile, dtype=torch.float32, device=device),
-                 torch.zeros(num_sms, dtype=torch.int32, device=device))
-        _SK_WORKSPACE[key] = entry
-    elif entry[0].numel() < _num_sms(device) * tile:
-        del _SK_WORKSPACE[key]
-        return _stream_k_workspace(device, tile)
-    return entry
 
 
 _NUM_SMS: dict = {}
