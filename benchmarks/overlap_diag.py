@@ -1,0 +1,30 @@
+"""Find the smallest failing case of overlap.py's kernel (session 4 debugging): each case in its own
+process (a fault ends the CUDA context). Prints PASS / WRONG / FAULT per case."""
+import subprocess
+import sys
+
+CASE = r'''
+import torch, sys
+from mpgpt.kernels.matmul import _set_tma_allocator
+from mpgpt.kernels.overlap import matmul_overlap
+M, N, K, sms, ahead, stages = map(int, sys.argv[1:7])
+_set_tma_allocator()
+a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16); w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+c = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+matmul_overlap(a, w, c, None, num_sms=sms, AHEAD=ahead, STAGES=stages)
+torch.cuda.synchronize()
+ref = a.float() @ w.float().t()
+err = ((c.float() - ref).norm() / ref.norm()).item()
+bad = torch.isnan(c).nonzero()
+print("PASS" if err < 1e-2 else f"WRONG err={err} nan_rows={bad[:,0].unique()[:10].tolist() if len(bad) else []}")
+'''
+cases = [(128, 128, 768, 1, 2, 4), (256, 128, 768, 1, 2, 4), (384, 128, 768, 1, 2, 4), (512, 128, 768, 1, 2, 4),
+         (256, 128, 768, 1, 1, 4), (256, 128, 256, 1, 2, 4), (128, 256, 768, 1, 2, 4), (1024, 768, 768, 4, 2, 4),
+         (12288, 768, 768, 132, 2, 4)]
+for c in cases:
+    r = subprocess.run([sys.executable, "-c", CASE, *map(str, c)], capture_output=True, text=True, timeout=120)
+    out = (r.stdout.strip().splitlines() or [""])[-1]
+    if r.returncode != 0:
+        err = [l for l in r.stderr.splitlines() if "Error" in l or "error" in l][-1:]
+        out = f"FAULT rc={r.returncode} {err}"
+    print(c, out, flush=True)
