@@ -44,6 +44,8 @@ def main():
         for v in VARIANTS:
             for b in (None, bias):
                 c = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+                if "--verbose" in sys.argv:
+                    print("  launching", label, v, "bias" if b is not None else "", flush=True)
                 matmul_overlap(a, w, c, b, **v)
                 torch.cuda.synchronize()
                 err = rel_err(c, ref + (b.float() if b is not None else 0))
