@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Session 4, call 5 (kind nvidia-h200, .whl carried): the overlapped-epilogue Gluon kernel's first
-# run: correctness of every variant, then times against cuBLAS and the Triton TMA kernel.
+# Session 4, calls 5 and 9 (kind nvidia-h200): the overlapped-epilogue Gluon kernel: correctness of each
+# variant, then times against cuBLAS and the Triton TMA kernel; one process a shape (call 9).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=/tmp/logs; mkdir -p $LOG
 export PYTHONPATH=$PWD
 t0=$(date +%s)
-timeout 400 python3 benchmarks/overlap_probe.py "$OUT/overlap-probe.json" 2>&1 | tee $LOG/overlap.log | grep -v Warn
+for s in attn.c_proj mlp.c_proj c_attn c_fc odd; do
+  timeout 100 python3 benchmarks/overlap_probe.py --shape=$s "$OUT/overlap-probe-$s.json" 2>&1 | tee $LOG/overlap-$s.log | grep -v "Warn\|launching" | tail -7
+done
 echo "probe: $(( $(date +%s) - t0 )) s"
-tar czf $OUT/logs-s4-call5.tgz -C /tmp logs
+tar czf $OUT/logs-s4-call9.tgz -C /tmp logs
