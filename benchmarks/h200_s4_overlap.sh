@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 4, calls 5 and 9 (kind nvidia-h200): the overlapped-epilogue Gluon kernel: correctness of each
+# Session 4, calls 5, 9 and 11 (kind nvidia-h200): the overlapped-epilogue Gluon kernel: correctness of each
 # variant, then times against cuBLAS and the Triton TMA kernel; one process a shape (call 9).
 set -u
 export PYTHONUNBUFFERED=1
@@ -10,4 +10,4 @@ for s in attn.c_proj mlp.c_proj c_attn c_fc odd; do
   timeout 100 python3 benchmarks/overlap_probe.py --shape=$s "$OUT/overlap-probe-$s.json" 2>&1 | tee $LOG/overlap-$s.log | grep -v "Warn\|launching" | tail -7
 done
 echo "probe: $(( $(date +%s) - t0 )) s"
-tar czf $OUT/logs-s4-call9.tgz -C /tmp logs
+tar czf $OUT/logs-s4-call11.tgz -C /tmp logs

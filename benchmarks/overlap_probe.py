@@ -20,7 +20,7 @@ from mpgpt.kernels.matmul import _set_tma_allocator
 from mpgpt.kernels.overlap import OVERLAP_IMPORT_ERROR, matmul_overlap
 
 VARIANTS = [dict(AHEAD=1, STAGES=4), dict(AHEAD=2, STAGES=4), dict(AHEAD=2, STAGES=4, GROUP_M=4),
-            dict(AHEAD=1, STAGES=3)]
+            dict(AHEAD=3, STAGES=5), dict(AHEAD=2, STAGES=5)]
 SHAPES = [("attn.c_proj", 12288, 768, 768), ("mlp.c_proj", 12288, 768, 3072), ("c_attn", 12288, 2304, 768),
           ("c_fc", 12288, 3072, 768), ("4096^3", 4096, 4096, 4096)]
 

@@ -157,6 +157,10 @@ if OVERLAP_IMPORT_ERROR is None:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
+        # Make the initialised barriers visible to the TMA unit (the "async proxy") before its first
+        # copy signals one. Without this fence the copy engine may see whatever the previous kernel
+        # left in that shared memory: we measured launch failures that came and went with it.
+        fence_async_shared()
         # The accumulator's register layout: each warpgroup (4 warps) owns BLOCK_M / (num_warps / 4)
         # rows; one wgmma instruction covers 64 x BLOCK_N x 16.
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
