@@ -21,13 +21,20 @@ if "sync" in mode:
 if "bigalloc" in mode:
     x = torch.empty(2**30, dtype=torch.int8, device="cuda"); x.fill_(7)
 c = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-matmul_overlap(a, w, c, None, AHEAD=1, STAGES=4)
+kw = dict(num_sms=132) if "sms132" in mode else {}
+if "ahead2" in mode:
+    kw.update(AHEAD=2, STAGES=4)
+else:
+    kw.update(AHEAD=1, STAGES=4)
+if "fewsms" in mode:
+    kw.update(num_sms=16)
+matmul_overlap(a, w, c, None, **kw)
 torch.cuda.synchronize()
 ref = a.float() @ w.float().t()
 err = ((c.float() - ref).norm() / ref.norm()).item()
 print("PASS" if err < 1e-2 else f"WRONG {err}")
 '''
-for mode in ["plain", "scaled", "ref_before", "ref_before+sync", "bigalloc", "scaled+ref_before", "plain"]:
+for mode in ["plain+sms132", "plain", "ahead2+sms132", "ahead2", "fewsms", "ahead2+fewsms"]:
     r = subprocess.run([sys.executable, "-c", CASE, mode], capture_output=True, text=True, timeout=100)
     out = r.stdout.strip() if r.returncode == 0 else "FAULT " + ([l for l in r.stderr.splitlines() if "rror" in l][-1:] or [""])[0][:100]
     print(f"{mode:22} {out}", flush=True)
