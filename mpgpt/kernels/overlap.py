@@ -136,21 +136,20 @@ if OVERLAP_IMPORT_ERROR is None:
 
     @gluon.jit
     def _matmul_overlap_kernel(
-        a_ptr, b_ptr, c_ptr, bias_ptr,   # A (M, K) row-major; w (N, K) row-major; C (M, N) row-major; bias (N,)
-        M, N, K, stride_a, stride_b, stride_c,   # the row pitches, in elements
-        HAS_BIAS: gl.constexpr,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+        a_desc, b_desc, c_desc,          # TMA descriptors (host-built) of A (M, K), w (N, K), C (M, N)
+        bias_ptr, M, N, K,               # bias (N,), read only if HAS_BIAS
+        HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
         STAGES: gl.constexpr,            # shared-memory stages (loads in flight)
         AHEAD: gl.constexpr,             # MMAs of the next tile started before a tile's epilogue
         num_warps: gl.constexpr,
     ):
-        dtype: gl.constexpr = a_ptr.dtype.element_ty
-        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
-        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
-        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
-        a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_a, 1], [BLOCK_M, BLOCK_K], a_layout)
-        b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_b, 1], [BLOCK_N, BLOCK_K], b_layout)
-        c_desc = tma.make_tensor_descriptor(c_ptr, [M, N], [stride_c, 1], [BLOCK_M, BLOCK_N], c_layout)
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        dtype: gl.constexpr = a_desc.dtype
+        a_layout: gl.constexpr = a_desc.layout
+        b_layout: gl.constexpr = b_desc.layout
+        c_layout: gl.constexpr = c_desc.layout
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], b_layout)
         c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_layout)
@@ -209,15 +208,20 @@ BLOCK = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, STAGES=4, AHEAD=2,
 def matmul_overlap(a, w, c, bias=None, num_sms=None, **overrides):
     """c = a @ w.t() (+ bias) on the overlapped-epilogue kernel. a (M, K) and w (N, K) row-major,
     c (M, N) row-major, all 16-byte aligned with 16-byte row pitches (the caller checks);
-    K > AHEAD * BLOCK_K. Returns the compiled kernel (for the lean launch path)."""
+    K > AHEAD * BLOCK_K. Returns what the launch returns (the compiled kernel)."""
     import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     cfg = {**BLOCK, **overrides}
+    bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     M, K = a.shape
     N = w.shape[0]
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
-    grid = (min(num_sms, tiles),)
-    return _matmul_overlap_kernel[grid](a, w, c, bias if bias is not None else c, M, N, K, a.stride(0), w.stride(0),
-                                        c.stride(0), HAS_BIAS=bias is not None, **cfg)
+    gdt = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
+    a_desc = TensorDescriptor.from_tensor(a, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gdt))
+    b_desc = TensorDescriptor.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gdt))
+    c_desc = TensorDescriptor.from_tensor(c, [bm, bn], gl.NVMMASharedLayout.get_default_for([bm, bn], gdt))
+    grid = (min(num_sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
+    return _matmul_overlap_kernel[grid](a_desc, b_desc, c_desc, bias if bias is not None else c, M, N, K,
+                                        HAS_BIAS=bias is not None, **cfg)
