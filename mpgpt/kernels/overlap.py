@@ -73,12 +73,13 @@ if OVERLAP_IMPORT_ERROR is None:
     @gluon.jit
     def _refill(prod, done, total, a_desc, b_desc, a_bufs, b_bufs, ready, start_pid, num_programs, num_pid_m,
                 num_pid_n, k_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-        """Load every step below done + STAGES not loaded yet (steps < done have finished their
-        MMAs, so their stages are free). Returns the new count of steps loaded."""
-        for j in range(prod, done + STAGES):
+        """Load every step below done + STAGES - 1 not loaded yet (steps < done have finished their
+        MMAs, so their stages are free; one stage of slack, as in Triton's Gluon tutorials).
+        Returns the new count of steps loaded."""
+        for j in range(prod, done + STAGES - 1):
             _issue_load(j, total, a_desc, b_desc, a_bufs, b_bufs, ready, start_pid, num_programs, num_pid_m,
                         num_pid_n, k_tiles, GROUP_M, STAGES)
-        return gl.maximum(prod, done + STAGES)
+        return gl.maximum(prod, done + STAGES - 1)
 
     @gluon.jit
     def _issue_mma(j, acc, use_acc, a_bufs, b_bufs, ready, STAGES: gl.constexpr):
