@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 4, calls 6, 8, 12-17: overlap kernel debugging (benchmarks/overlap_diag*.py); call 17: one stage of
+# Session 4, calls 6, 8, 12-18: overlap kernel debugging (benchmarks/overlap_diag*.py); call 18: the tutorial ordering
 # slack in the refill; if the 132-program cases pass, time the two N = 768 shapes.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD

@@ -104,16 +104,19 @@ if OVERLAP_IMPORT_ERROR is None:
             offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
             bias = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
         for _ in range(AHEAD, k_tiles):
-            acc = _issue_mma(issued, acc, True, a_bufs, b_bufs, ready, STAGES)
-            acc = warpgroup_mma_wait(1, deps=(acc,))  # every MMA but this step's has finished
-            issued += 1
-            prod = _refill(prod, issued - 1, total, a_desc, b_desc, a_bufs, b_bufs, ready, start_pid, num_programs,
+            # Every MMA issued so far has finished: their stages are free to refill.
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            prod = _refill(prod, issued, total, a_desc, b_desc, a_bufs, b_bufs, ready, start_pid, num_programs,
                            num_pid_m, num_pid_n, k_tiles, GROUP_M, STAGES)
+            acc = _issue_mma(issued, acc, True, a_bufs, b_bufs, ready, STAGES)
+            issued += 1
         # Wait for this tile, start the next one, and run this tile's epilogue beside those MMAs.
         # (Waiting for everything first costs the tensor cores a short gap, but it is the form in
         # which the assembler can see that the epilogue reads finished registers only; waiting
         # with the next tile's MMAs already issued made it serialise every MMA of the kernel.)
         acc = warpgroup_mma_wait(0, deps=(acc,))
+        prod = _refill(prod, issued, total, a_desc, b_desc, a_bufs, b_bufs, ready, start_pid, num_programs,
+                       num_pid_m, num_pid_n, k_tiles, GROUP_M, STAGES)
         # y, not acc: acc's registers are an MMA accumulator (the loop hands them to a later tile),
         # and the assembler serialises MMAs if other instructions write them.
         y = acc
@@ -125,8 +128,6 @@ if OVERLAP_IMPORT_ERROR is None:
                 nxt = _issue_mma(issued + d, nxt, d > 0, a_bufs, b_bufs, ready, STAGES)
             nxt = warpgroup_mma_wait(AHEAD, deps=(nxt,))  # returns at once (AHEAD in flight)
         issued += AHEAD
-        prod = _refill(prod, issued - AHEAD, total, a_desc, b_desc, a_bufs, b_bufs, ready, start_pid, num_programs,
-                       num_pid_m, num_pid_n, k_tiles, GROUP_M, STAGES)
 
         # Epilogue: one rounding, TMA store (which drops what lies past the edges).
         tma.store_wait(pendings=0)            # the previous tile's store has left c_smem
