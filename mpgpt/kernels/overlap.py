@@ -109,6 +109,7 @@ if OVERLAP_IMPORT_ERROR is None:
             prod = _refill(prod, issued, total, a_desc, b_desc, a_bufs, b_bufs, ready, start_pid, num_programs,
                            num_pid_m, num_pid_n, k_tiles, GROUP_M, STAGES)
             acc = _issue_mma(issued, acc, True, a_bufs, b_bufs, ready, STAGES)
+            acc = warpgroup_mma_wait(1, deps=(acc,))  # returns at once (one in flight): a tensor again
             issued += 1
         # Wait for this tile, start the next one, and run this tile's epilogue beside those MMAs.
         # (Waiting for everything first costs the tensor cores a short gap, but it is the form in
