@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 4, calls 6, 8, 12-18: overlap kernel debugging (benchmarks/overlap_diag*.py); call 18: the tutorial ordering
-# slack in the refill; if the 132-program cases pass, time the two N = 768 shapes.
+# Session 4, calls 6, 8 and 12-18 (kind nvidia-h200): debugging the overlap kernel (mpgpt/kernels/overlap.py,
+# since removed; its last version is at e57f11d). This is the last form (call 18); earlier ones are in git history.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

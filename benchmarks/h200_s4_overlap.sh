@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 4, calls 5, 9 and 11 (kind nvidia-h200): the overlapped-epilogue Gluon kernel: correctness of each
-# variant, then times against cuBLAS and the Triton TMA kernel; one process a shape (call 9).
+# Session 4, calls 5, 9 and 11 (kind nvidia-h200), at commits 2af3d68, d12614f and 108fcfc: the overlapped-
+# epilogue Gluon kernel (mpgpt/kernels/overlap.py, since removed): correctness, then times; one process a shape.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=/tmp/logs; mkdir -p $LOG

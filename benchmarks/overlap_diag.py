@@ -1,5 +1,9 @@
 """Find the smallest failing case of overlap.py's kernel (session 4 debugging): each case in its own
-process (a fault ends the CUDA context). Prints PASS / WRONG / FAULT per case."""
+process (a fault ends the CUDA context). Prints PASS / WRONG / FAULT per case.
+Ran at commits 2af3d68-e57f11d (session 4, calls 5-18); mpgpt/kernels/overlap.py, the kernel it
+imports, was removed afterwards because it faulted with 132 programs (benchmarks/NOTES-kernels.md,
+"Session 4"). Check out e57f11d to run it.
+"""
 import subprocess
 import sys
 

@@ -8,6 +8,10 @@ TMA kernel, on the H200.
    issue's measure: L2 cleared between runs, launch included), for cuBLAS (torch.matmul), the
    package's `matmul` (kernel="auto", the Triton TMA kernel) and each overlap variant.
 Run on a Hopper GPU:  python benchmarks/overlap_probe.py OUT.json
+
+Ran at commits 2af3d68-e57f11d (session 4, calls 5-18); mpgpt/kernels/overlap.py, the kernel it
+imports, was removed afterwards because it faulted with 132 programs (benchmarks/NOTES-kernels.md,
+"Session 4"). Check out e57f11d to run it.
 """
 import json
 import sys
