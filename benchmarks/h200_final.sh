@@ -2,11 +2,7 @@
 # One call on one H200 (kind nvidia-h200, .whl carried), after split-K, the fused GELU backward and
 # the new TMA configs: GPU tests, the kernel benchmark (and with TMA for every layout), the host-
 # overhead probe, and the training rows with the Triton kernels plus a profile of the fastest row.
-set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=/tmp/logs; mkdir -p $LOG
-python3 -m pip install -q --no-index --find-links .whl --target /tmp/site nbclient ipykernel nbval ipywidgets tqdm > $LOG/pip.log 2>&1
-export PYTHONPATH=/tmp/site:$PWD
+source benchmarks/device_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 t0=$(date +%s)
 MPGPT_AUTOTUNE=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or sm80" tests/test_kernels.py tests/test_model.py \

@@ -2,11 +2,7 @@
 # One H200 (kind nvidia-h200, .whl carried): after caching the device-capability checks, the kernel
 # GPU tests again, the host-time probe with a cProfile breakdown, TritonLinear forward+backward,
 # and the eager training row with the Triton kernels.
-set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=/tmp/logs; mkdir -p $LOG
-python3 -m pip install -q --no-index --find-links .whl --target /tmp/site nbclient ipykernel nbval ipywidgets tqdm > $LOG/pip.log 2>&1
-export PYTHONPATH=/tmp/site:$PWD
+source benchmarks/device_env.sh
 t0=$(date +%s)
 MPGPT_AUTOTUNE=0 timeout 100 python3 -m pytest -q -p no:cacheprovider -m "sm80" tests/test_kernels.py 2>&1 | tee $LOG/gpu_tests.log | tail -1
 echo "gpu tests: $(( $(date +%s) - t0 )) s"; t0=$(date +%s)

@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # One H200 (kind nvidia-h200, .whl carried): the tiny-GPT tracking test again, the kernel benchmark
 # (default TMA use, then TMA for every layout in TritonLinear's backward too) and the host probe.
-set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=/tmp/logs; mkdir -p $LOG
-python3 -m pip install -q --no-index --find-links .whl --target /tmp/site nbclient ipykernel nbval ipywidgets tqdm > $LOG/pip.log 2>&1
-export PYTHONPATH=/tmp/site:$PWD
+source benchmarks/device_env.sh
 t0=$(date +%s)
 MPGPT_AUTOTUNE=0 timeout 90 python3 -m pytest -q -p no:cacheprovider -s tests/test_kernels.py -k "tiny_gpt or split_k" \
   2>&1 | tee $LOG/gpu_tests.log | grep "tiny GPT\|passed\|failed"

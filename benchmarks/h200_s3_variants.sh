@@ -2,11 +2,7 @@
 # Session 3, call 1 (kind nvidia-h200, .whl carried): the kernel GPU tests (new: the lean launch
 # path), the TMA-kernel variant sweep (benchmarks/tma_variants.py) and the host-time probe with
 # the lean launch path.
-set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=/tmp/logs; mkdir -p $LOG
-python3 -m pip install -q --no-index --find-links .whl --target /tmp/site nbclient ipykernel nbval ipywidgets tqdm > $LOG/pip.log 2>&1
-export PYTHONPATH=/tmp/site:$PWD
+source benchmarks/device_env.sh
 t0=$(date +%s)
 MPGPT_AUTOTUNE=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -m "sm80" tests/test_kernels.py 2>&1 | tee $LOG/gpu_tests.log | tail -4
 echo "gpu tests: $(( $(date +%s) - t0 )) s"; t0=$(date +%s)

@@ -2,11 +2,7 @@
 # Session 4, call 4 (kind nvidia-h200-x2, .whl carried): the distributed tests (gloo and NCCL, both
 # GPUs) - not re-run on GPUs since session 2 - and, after them, the kernel GPU tests on the code as
 # it stands (session 3's kernel; the stream-K option was removed again).
-set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=/tmp/logs; mkdir -p $LOG
-python3 -m pip install -q --no-index --find-links .whl --target /tmp/site nbclient ipykernel nbval ipywidgets tqdm > $LOG/pip.log 2>&1
-export PYTHONPATH=/tmp/site:$PWD
+source benchmarks/device_env.sh
 nvidia-smi --query-gpu=index,name,driver_version --format=csv | tee "$LOG/nvidia-smi.txt"
 t0=$(date +%s)
 timeout 250 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py 2>&1 | tee "$LOG/dist_tests.log" | tail -4
