@@ -8,7 +8,8 @@ sharing the A tile: 96 x 4 = 384 tiles, 2.91 waves. This script checks each vari
 poisoned outputs, fresh inputs) and times it against cuBLAS two ways: CUDA-graph replay (GPU time
 only) and `do_bench` (L2 cleared before each run, the issue's measure).
 
-Run on a Hopper GPU:  python benchmarks/tma_192.py OUT.json
+Run on a Hopper GPU:  python benchmarks/tma_192.py OUT.json [--small]
+(--small: the small-tile, several-programs-per-SM set instead of the 192-wide one.)
 """
 import json
 import multiprocessing as mp
@@ -26,7 +27,7 @@ def V(tile, ts=True, sub=False, pps=1, extra=0, flatten=True):
                 FLATTEN=flatten)
 
 
-VARIANTS = {  # tile = BLOCK_M, BLOCK_N, BLOCK_K, stages, warps
+VARIANTS_192 = {  # tile = BLOCK_M, BLOCK_N, BLOCK_K, stages, warps
     "128x128 (current)": V((128, 128, 64, 4, 8)),
     "128x128 not flattened": V((128, 128, 64, 4, 8), flatten=False),
     "128x128 pps2": V((128, 128, 64, 3, 4), ts=False, sub=True, pps=2),
@@ -38,6 +39,24 @@ VARIANTS = {  # tile = BLOCK_M, BLOCK_N, BLOCK_K, stages, warps
     "128x192 bk128 s2": V((128, 128, 128, 2, 8), extra=64, flatten=False),
     "128x192 pps2 bk32 s3": V((128, 128, 32, 3, 8), pps=2, extra=64, flatten=False),
 }
+# Session 5, call 3: small tiles, several programs per SM. 64 x 128 tiles: 192 x 6 = 1152 of them,
+# 8.73 per SM (run as 9: 97 %); each program is one warpgroup, and the programs sharing an SM
+# overlap one another's pipeline fill and epilogue.
+VARIANTS_SMALL = {
+    "128x128 (current)": V((128, 128, 64, 4, 8)),
+    "128x128 pps2": V((128, 128, 64, 3, 4), ts=False, sub=True, pps=2),
+    "128x128 pps2 ts": V((128, 128, 64, 3, 4), sub=True, pps=2),
+    "64x128 s3 pps2": V((64, 128, 64, 3, 4), pps=2),
+    "64x128 s3 pps2 ptr": V((64, 128, 64, 3, 4), ts=False, pps=2),
+    "64x128 s2 pps3": V((64, 128, 64, 2, 4), pps=3),
+    "64x128 s2 pps3 ptr": V((64, 128, 64, 2, 4), ts=False, pps=3),
+    "64x128 s4 pps2": V((64, 128, 64, 4, 4), pps=2),
+    "64x128 s2 pps4 ptr": V((64, 128, 64, 2, 4), ts=False, pps=4),
+    "64x256 s2 pps2": V((64, 256, 64, 2, 4), pps=2),
+    "128x64 s3 pps2": V((128, 64, 64, 3, 4), pps=2),
+    "128x64 s2 pps3": V((128, 64, 64, 2, 4), pps=3),
+}
+VARIANTS = VARIANTS_SMALL if "--small" in sys.argv else VARIANTS_192
 SHAPES = {"attn.c_proj": (12288, 768, 768), "mlp.c_proj": (12288, 3072, 768)}
 ODD = [(1000, 1000, 776), (77, 3072, 200), (12288, 768, 768)]  # M, K, N
 
