@@ -258,8 +258,6 @@ def _matmul_kernel_tma(
     TMA_STORE: tl.constexpr,        # store output tiles through TMA descriptors (if TMA_STORE_OK)
     WARP_SPECIALIZE: tl.constexpr,  # let the compiler split loads and MMAs into separate warps
     PPS: tl.constexpr,              # persistent programs per multiprocessor (1 or 2)
-    EXTRA_N: tl.constexpr = 0,      # 0, or a second accumulator EXTRA_N wide: tiles BLOCK_N + EXTRA_N wide
-    FLATTEN: tl.constexpr = True,   # software-pipeline across tiles (one flattened loop)
 ):
     # TMA descriptors describe the whole matrix once; loads then name a tile by its corner and
     # the copy engine fetches it into shared memory, zero-filling whatever lies past the edge.
@@ -275,19 +273,6 @@ def _matmul_kernel_tma(
     else:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1],
                                            block_shape=[BLOCK_K, BLOCK_N])
-    # Tile widths must be powers of two in Triton, so a 192-wide tile is a BLOCK_N = 128 accumulator
-    # plus an EXTRA_N = 64 one, both fed by the same A tile. Why 192: an N = 768 output has
-    # 96 x 6 = 576 tiles of 128 x 128, 4.36 waves over 132 SMs (the fifth wave runs a third full),
-    # but 96 x 4 = 384 tiles of 128 x 192, 2.91 waves.
-    TILE_N: tl.constexpr = BLOCK_N + EXTRA_N
-    b2_desc = b_desc
-    if EXTRA_N > 0:
-        if B_T:
-            b2_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1],
-                                                block_shape=[EXTRA_N, BLOCK_K])
-        else:
-            b2_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1],
-                                                block_shape=[BLOCK_K, EXTRA_N])
     SUB_N: tl.constexpr = BLOCK_N // 2 if EPILOGUE_SUBTILE else BLOCK_N
     USE_TMA_STORE: tl.constexpr = TMA_STORE and TMA_STORE_OK
     NUM_PROGRAMS: tl.constexpr = NUM_SMS * PPS  # programs launched; each loops over tiles
@@ -296,36 +281,27 @@ def _matmul_kernel_tma(
     # unused placeholders (the helper's TMA branch is compiled out).
     c_desc = c_ptr
     z_desc = z_ptr
-    c2_desc = c_ptr
-    z2_desc = z_ptr
     if USE_TMA_STORE:
         c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
                                            block_shape=[BLOCK_M, SUB_N])
         if STORE_Z:
             z_desc = tl.make_tensor_descriptor(z_ptr, shape=[M, N], strides=[stride_zm, 1],
                                                block_shape=[BLOCK_M, SUB_N])
-        if EXTRA_N > 0:
-            c2_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
-                                                block_shape=[BLOCK_M, EXTRA_N])
-            if STORE_Z:
-                z2_desc = tl.make_tensor_descriptor(z_ptr, shape=[M, N], strides=[stride_zm, 1],
-                                                    block_shape=[BLOCK_M, EXTRA_N])
 
     start_pid = tl.program_id(axis=0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, TILE_N)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     num_tiles = num_pid_m * num_pid_n
     # A second tile counter for the epilogue (as in Triton's tutorial 09): the flattened loop is
     # software-pipelined across tiles, and the epilogue must not share the prologue's counter.
     tile_id_c = start_pid - NUM_PROGRAMS
 
-    for tile_id in tl.range(start_pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+    for tile_id in tl.range(start_pid, num_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
-        off_n = pid_n * TILE_N
+        off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_M, EXTRA_N if EXTRA_N > 0 else 16), dtype=tl.float32)  # unused if EXTRA_N == 0
         for ki in range(k_tiles):
             off_k = ki * BLOCK_K
             if A_T:
@@ -337,21 +313,11 @@ def _matmul_kernel_tma(
             else:
                 b = b_desc.load([off_k, off_n])
             acc = tl.dot(a, b, acc)
-            if EXTRA_N > 0:  # columns off_n + BLOCK_N ... of the tile, from the same A tile
-                if B_T:
-                    b2 = b2_desc.load([off_n + BLOCK_N, off_k]).T
-                else:
-                    b2 = b2_desc.load([off_k, off_n + BLOCK_N])
-                acc2 = tl.dot(a, b2, acc2)
 
         tile_id_c += NUM_PROGRAMS
         pid_m, pid_n = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
         off_cm = pid_m * BLOCK_M
-        off_cn = pid_n * TILE_N
-        if EXTRA_N > 0:
-            _tma_epilogue(acc2, c2_desc, z2_desc, c_ptr, z_ptr, bias_ptr, off_cm, off_cn + BLOCK_N, M, N,
-                          stride_cm, stride_cn, stride_zm, stride_zn,
-                          HAS_BIAS, ACTIVATION, STORE_Z, USE_TMA_STORE, BLOCK_M, EXTRA_N)
+        off_cn = pid_n * BLOCK_N
         if EPILOGUE_SUBTILE:
             # (BLOCK_M, BLOCK_N) -> two (BLOCK_M, BLOCK_N/2) halves: the epilogue's fp32
             # temporaries (GELU's) and the store buffer are half the size.
