@@ -8,9 +8,14 @@ splits each step's time, for both layers, into:
   - GPU kernel time per step, summed from torch.profiler's CUDA events, and its largest kernels,
 then times the two gradient GEMMs' layouts alone (dX = dY W: B row-major; dW = dY^T X: A
 transposed, K = tokens) on the grouped and the TMA kernel and cuBLAS, as CUDA-graph replays.
-Run on a GPU: python benchmarks/linear_probe.py [OUT.json]
+With --profile it also prints where the host time of one TritonLinear step goes at attn.c_proj:
+cProfile over 50 steps, backward run on the calling thread so that cProfile sees it.
+Run on a GPU: python benchmarks/linear_probe.py [OUT.json] [--profile]
 """
+import cProfile
+import io
 import json
+import pstats
 import sys
 import time
 
@@ -72,7 +77,36 @@ def split_step(fn, params, n=20):
                 top_kernels=[(k[:90], round(v[0], 1), v[1]) for k, v in top])
 
 
+def host_profile():
+    label, fin, fout, act = [s for s in LINEAR_SHAPES if s[0] == "attn.c_proj"][0]
+    lin = nn.Linear(fin, fout, device="cuda")
+    tri = TritonLinear.from_linear(lin, activation=act)
+    x = torch.randn(M, fin, device="cuda", requires_grad=True)
+    g = torch.randn(M, fout, device="cuda", dtype=torch.bfloat16)
+    fn = step_fn(tri, x, g)
+    torch.autograd.set_multithreading_enabled(False)  # backward on this thread, where cProfile looks
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        x.grad = lin.weight.grad = lin.bias.grad = None
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    torch.autograd.set_multithreading_enabled(True)
+    for key in ("tottime", "cumtime"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(28)
+        print(f"--- cProfile of 50 TritonLinear steps ({label}), by {key} ---")
+        print("\n".join(buf.getvalue().splitlines()[6:40]), flush=True)
+
+
 def main():
+    if "--profile" in sys.argv:
+        host_profile()
     rows = []
     for label, fin, fout, act in LINEAR_SHAPES:
         lin = nn.Linear(fin, fout, device="cuda")

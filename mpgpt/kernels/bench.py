@@ -77,7 +77,7 @@ def _tuning(kernel: str) -> dict:
     import importlib
 
     mm = importlib.import_module(__package__ + ".matmul")  # the module; the package re-exports the function
-    # "auto" runs the TMA kernel for this benchmark's forward layout on sm_90 (matmul.py).
+    # "auto" runs the TMA kernel for this benchmark's layouts on sm_90 (matmul.py, _TMA_AUTO).
     uses_tma = kernel == "tma" or (kernel == "auto" and mm._TMA_AUTO != "0"
                                    and torch.cuda.get_device_capability() >= (9, 0))
     tuner = mm._matmul_tma if uses_tma else mm._matmul_grouped

@@ -29,7 +29,8 @@ Two kernels:
    the device (`tl.make_tensor_descriptor`), so tiles arrive by the bulk-copy engine; edges
    are zero-filled by the hardware instead of masked. Needs 16-byte-aligned operands with one
    unit stride each; otherwise we fall back to kernel 1. `kernel="auto"` uses it for the
-   forward layout (x @ w.t()) only: the backward layouts were no faster with it on the H200.
+   forward GEMM and both gradient GEMMs, except a weight gradient that needs K split 4 ways or
+   more (see _TMA_AUTO below).
    Its autotuned options, chosen by measurement (benchmarks/tma_variants.py): output tiles
    stored through TMA too, the epilogue run on two half tiles, compiler warp specialisation,
    and two programs per multiprocessor.
@@ -384,9 +385,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     bias: (N,) in a's dtype or fp32, or None.
     activation: None, "relu", or "gelu" (the tanh approximation, = nn.GELU(approximate="tanh")).
     out: optional preallocated (..., N) result, a's dtype or fp32 (any strides).
-    kernel: "auto" (on Hopper, the persistent TMA kernel for a row-major a and b = w.t(), the
-        forward layout, where it measured fastest; the grouped kernel otherwise), "grouped", or
-        "tma" (any 16-byte-aligned layout; to compare them).
+    kernel: "auto" (on Hopper, the persistent TMA kernel wherever it can read the operands:
+        16-byte aligned, one unit stride each; the grouped kernel otherwise, and for a product
+        that splits K 4 ways or more), "grouped", or "tma" (to compare them).
     split_k: programs that share one output tile, each summing a slice of K into an fp32
         partial that the host then adds (grouped kernel; no bias or activation). None chooses
         from the shape on a GPU: more than 1 only when there are too few output tiles to fill
@@ -510,6 +511,9 @@ def _matmul_2d(a, b, c, bias=None, z=None, activation=None, kernel="auto", split
     epilogue = bias is not None or activation is not None or z is not None
     if split_k is None:
         split_k = 1 if (epilogue or kernel == "tma" or interp) else _auto_split_k(M, N, K, _num_sms(a.device))
+        if 1 < split_k < _SPLIT_K_OVER_TMA and kernel == "auto" and _TMA_AUTO in ("1", "all") \
+                and _tma_layout(a, b, M, N, K) is not None:
+            split_k = 1  # the TMA kernel, unsplit, measured faster than a 2- or 3-way split (see below)
     if split_k > 1:
         if epilogue:
             raise ValueError("split_k > 1 adds fp32 partial sums after the kernel: it takes no bias, activation "
@@ -589,12 +593,8 @@ def _matmul_2d_launch(a, b, c, bias, z, flags, kernel, split_k, stride_cs, inter
 
     want_tma = kernel == "tma" or (kernel == "auto" and _TMA_AUTO != "0")
     tma = _tma_layout(a, b, M, N, K) if want_tma else None
-    if kernel == "auto" and _TMA_AUTO != "all" and tma is not None and (tma[0][0], tma[1][0]) != (False, True):
-        # "auto" takes the TMA kernel only for the forward layout (A row-major, B = w.t()). The
-        # backward layouts (dX: B row-major; dW: A = dY^T) pass their float64 checks on the H200
-        # too, but measured no faster there (MPGPT_TRITON_TMA=all, benchmarks/NOTES-kernels.md),
-        # so they stay on the grouped kernel, which can also split K. kernel="tma" forces it.
-        tma = None
+    if kernel == "auto" and _TMA_AUTO == "fwd" and tma is not None and (tma[0][0], tma[1][0]) != (False, True):
+        tma = None  # MPGPT_TRITON_TMA=fwd: the forward layout only (A row-major, B = w.t())
     if kernel == "tma" and tma is None:
         raise ValueError("the TMA kernel needs a Hopper GPU (sm_90), 16-byte-aligned operands with a unit "
                          "stride each, and M, N, K >= 16; use kernel='grouped'")
@@ -638,9 +638,17 @@ def _launcher(tuned, plain, fixed):
     return plain, fixed
 
 
-# kernel="auto" on sm_90: MPGPT_TRITON_TMA=1 (default) takes the TMA kernel for the forward layout,
-# "all" for every layout it can read (the backward GEMMs too), "0" never.
+# kernel="auto" on sm_90: MPGPT_TRITON_TMA=1 (default; "all" is the same) takes the TMA kernel for
+# every layout it can read: the forward GEMM and both gradient GEMMs, dX = dY W (B row-major) and
+# dW = dY^T X (A transposed). "fwd" takes it for the forward layout only (sessions 2-4's default),
+# "0" never. The one exception: a weight gradient with so few output tiles that _auto_split_k
+# splits K 4 ways or more stays on the grouped kernel, which can split K; the TMA kernel cannot.
+# Measured on the H200 (benchmarks/linear_probe.py, graph replay, GPT-2 layers at 12288 tokens):
+# dX on TMA 78 / 29 / 105 / 102 us against 94 / 35 / 120 / 119 on the grouped kernel; dW on TMA
+# unsplit 75 us against 96 split 3 ways (c_attn) and 128-131 either way for the MLP (split 2), but
+# 65 against 44 split 8 ways for attn.c_proj's 768 x 768 output.
 _TMA_AUTO = os.environ.get("MPGPT_TRITON_TMA", "1")
+_SPLIT_K_OVER_TMA = 4
 
 
 def _tma_layout(a, b, M, N, K):
