@@ -212,6 +212,8 @@ def test_gelu_backward_matches_float64(dtype, shape):
     (lambda: matmul(rand(4, 4), rand(4, 3), bias=rand(3), split_k=2), ValueError, "no bias"),
     (lambda: matmul(rand(4, 4), rand(4, 3), split_k=0), ValueError, "split_k must be"),
     (lambda: matmul(rand(4, 4), rand(4, 3), split_k=2, kernel="tma"), ValueError, "grouped kernel"),
+    (lambda: matmul(rand(4, 4), rand(4, 3), split_k=2, kernel="ws"), ValueError, "grouped kernel"),
+    (lambda: matmul(rand(4, 4), rand(4, 3), kernel="cutlass"), ValueError, "kernel must be one of"),
     (lambda: TritonLinear(4, 3, activation="gelu_exact"), ValueError, "activation"),
     (lambda: TritonLinear.from_linear(nn.Conv1d(1, 1, 1)), TypeError, "nn.Linear"),
 ])
@@ -389,6 +391,23 @@ def test_init_matches_nn_linear_distribution():
     assert torch.equal(ours.weight, ref.weight) and torch.equal(ours.bias, ref.bias)
 
 
+def test_ws_kernel_only_where_it_can_run():
+    """The warp-specialised Gluon kernel (matmul_ws.py) is taken only on sm_90, for the forward
+    layout a @ w.t() with aligned rows and no activation; never on a CPU or in the interpreter,
+    where matmul runs the grouped kernel whatever `kernel` says (as for "tma")."""
+    ws = importlib.import_module("mpgpt.kernels.matmul_ws")
+    a, w = rand(64, 48), rand(40, 48)
+    c = torch.empty(64, 40, dtype=torch.bfloat16, device=DEVICE)
+    eligible = ws.ws_eligible(a, w.t(), c, None, None, None)
+    on_sm90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0) and not _env.interpreting()
+    assert eligible == (on_sm90 and ws.WS_IMPORT_ERROR is None)
+    assert not ws.ws_eligible(a, w.t(), c, None, "gelu", None)                  # no activation epilogue
+    assert not ws.ws_eligible(a, w.t().contiguous(), c, None, None, None)      # b must be w.t()
+    assert not ws.ws_eligible(a, w.t(), c.float(), None, None, None)           # output in a's dtype
+    if DEVICE == "cpu":
+        assert rel_err(matmul(a, w.t(), kernel="ws"), reference(a, w.t())) < TOL[torch.bfloat16]
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU (compiled) tests: run on the H200 before GPU work is resolved
 # ------------------------------------------------------------------------------------------------
@@ -490,19 +509,70 @@ def test_gpu_every_tma_config_is_correct(monkeypatch):
         assert torch.isnan(wide[:, 0]).all() and torch.isnan(wide[:, N + 1:]).all(), fixed  # nothing outside
 
 
+def _ws_available():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.sm80
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_ws_kernel_against_float64(dtype):
+    """The warp-specialised kernel at shapes with edges in M, N and K (N not a multiple of its
+    192-wide tile; N = 200 leaves the 64-wide part of the last tile wholly outside), with and
+    without bias, on every SM or on only 7 programs (each then runs many tiles back to back, so
+    the ring of stages wraps around many times). The output is a NaN-filled view inside a wider
+    buffer: every element must be written, and nothing outside it."""
+    if not _ws_available():
+        pytest.skip("the warp-specialised kernel needs sm_90")
+    ws = importlib.import_module("mpgpt.kernels.matmul_ws")
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for M, K, N in [(1000, 1000, 776), (77, 3072, 200), (300, 64, 192), (12288, 768, 768)]:
+        for use_bias in (False, True):
+            for programs in (None, 7):
+                a, w = rand(M, K, dtype=dtype), rand(N, K, dtype=dtype)  # fresh inputs every time
+                bias = rand(N, dtype=dtype) if use_bias else None
+                wide = torch.full((M, N + 8), float("nan"), dtype=dtype, device="cuda")
+                c = wide[:, :N]
+                assert ws.ws_eligible(a, w.t(), c, bias, None, None)
+                ws.ws_launch(a, w.t(), c, bias, num_sms, num_programs=programs)
+                torch.cuda.synchronize()
+                case = (M, K, N, use_bias, programs, dtype)
+                assert rel_err(c, reference(a, w.t(), bias)) < TOL[dtype], case
+                assert torch.isnan(wide[:, N:]).all(), case
+
+
+@pytest.mark.sm80
+def test_gpu_auto_takes_the_ws_kernel_for_plain_forward_products():
+    """kernel="auto" on sm_90: the forward layout without activation (with or without bias) goes
+    to the warp-specialised kernel, with GELU to the TMA kernel; kernel="ws" where it cannot run
+    is a clear error."""
+    if not _ws_available():
+        pytest.skip("the warp-specialised kernel needs sm_90")
+    mm._PLANS.clear()
+    a, w, bias = rand(2048, 768), rand(768, 768), rand(768)
+    for b_, act, kind in ((None, None, "ws"), (bias, None, "ws"), (bias, "gelu", "tma")):
+        out = matmul(a, w.t(), b_, act)
+        assert mm._LAST_KIND == kind, (act, mm._LAST_KIND)
+        assert rel_err(out, reference(a, w.t(), b_, act)) < 1e-2
+    with pytest.raises(ValueError, match="warp-specialised"):
+        matmul(a, w.t(), bias, "gelu", kernel="ws")
+
+
 @pytest.mark.sm80
 def test_gpu_lean_launch_repeats_the_ordinary_launch(monkeypatch):
     """The second call with a signature skips Triton's Python launch path (matmul._PLANS,
     launch.py). On fresh inputs it must give bit for bit what the ordinary path gives, and be
     right against float64; a misaligned view (Triton specialises on 16-byte alignment) must get a
-    plan of its own. Cases: the forward layout with bias+GELU (TMA kernel on sm_90), a strided
-    grouped launch, and a weight gradient that splits K."""
+    plan of its own. Cases: the forward layout with bias+GELU (TMA kernel on sm_90), with bias
+    only (warp-specialised kernel on sm_90), a strided grouped launch, and a weight gradient that
+    splits K."""
     monkeypatch.delenv("MPGPT_LEAN_LAUNCH", raising=False)
     mm._PLANS.clear()
 
     def operands(case):
         if case == "forward":
             return rand(2048, 768), rand(3072, 768).t(), rand(3072), "gelu", "auto"
+        if case == "ws":  # no activation: the warp-specialised kernel on sm_90 (host-built descriptors)
+            return rand(2048, 768), rand(768, 768).t(), rand(768), None, "auto"
         if case == "grouped":
             return rand(1000, 300)[:, :250], rand(250, 333), None, None, "grouped"
         if case == "split":  # dW = dY^T X with 12288 tokens: few output tiles, long K
@@ -512,7 +582,7 @@ def test_gpu_lean_launch_repeats_the_ordinary_launch(monkeypatch):
 
     aligned = rand(777, 512), rand(512, 640), rand(640), "relu", "auto"
     matmul(aligned[0], aligned[1], aligned[2], aligned[3])  # the misaligned case's aligned twin
-    for case in ("forward", "grouped", "split", "misaligned"):
+    for case in ("forward", "ws", "grouped", "split", "misaligned"):
         first = operands(case)
         n = len(mm._PLANS)
         matmul(first[0], first[1], first[2], first[3], kernel=first[4])

@@ -77,11 +77,13 @@ def _tuning(kernel: str) -> dict:
     import importlib
 
     mm = importlib.import_module(__package__ + ".matmul")  # the module; the package re-exports the function
-    # "auto" runs the TMA kernel for this benchmark's layouts on sm_90 (matmul.py, _TMA_AUTO).
-    uses_tma = kernel == "tma" or (kernel == "auto" and mm._TMA_AUTO != "0"
-                                   and torch.cuda.get_device_capability() >= (9, 0))
-    tuner = mm._matmul_tma if uses_tma else mm._matmul_grouped
-    out = {"best_config": str(getattr(tuner, "best_config", None))}
+    ran = mm._LAST_KIND  # which kernel the call just made ran ("auto" decides per call)
+    if ran == "ws":
+        ws = importlib.import_module(__package__ + ".matmul_ws")
+        return {"kernel": "ws", "best_config": f"fixed: {ws.BLOCK_M}x({ws.BLOCK_N}+{ws.EXTRA_N})x{ws.BLOCK_K}, "
+                f"{ws.STAGES} stages, {ws.NUM_WARPS}+1 warps"}
+    tuner = mm._matmul_tma if ran == "tma" else mm._matmul_grouped
+    out = {"kernel": ran, "best_config": str(getattr(tuner, "best_config", None))}
     timings = getattr(tuner, "configs_timings", None)
     if timings:
         out["config_ms"] = {str(c): (t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
@@ -183,8 +185,8 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m mpgpt.bench kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="where the JSON result goes")
-    parser.add_argument("--kernels", default="grouped,tma,auto",
-                        help="comma-separated: grouped, tma (Hopper only), auto")
+    parser.add_argument("--kernels", default="grouped,tma,ws,auto",
+                        help="comma-separated: grouped, tma (Hopper only), ws (sm_90 only), auto")
     parser.add_argument("--tag", default="kernels", help="file name prefix of the result file")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: matmul, fused, triton (TritonLinear fwd+bwd)")
     args = parser.parse_args(argv)
@@ -199,6 +201,8 @@ def main(argv=None) -> int:
     kernels = [k for k in args.kernels.split(",") if k]
     if torch.cuda.get_device_capability() < (9, 0):
         kernels = [k for k in kernels if k != "tma"]
+    if torch.cuda.get_device_capability() != (9, 0):
+        kernels = [k for k in kernels if k != "ws"]
     skip = set(filter(None, args.skip.split(",")))
 
     env = environment(argv)
@@ -210,7 +214,7 @@ def main(argv=None) -> int:
     path = args.out_dir / f"{args.tag}_{slug}_{env['date'][:10]}.json"
     env["MPGPT_TRITON_TMA"] = os.environ.get("MPGPT_TRITON_TMA", "1")
     parts = [("matmul", lambda: bench_matmul(kernels, GPT2_SHAPES + SQUARE_SHAPES)),
-             ("fused_bias_gelu", lambda: bench_fused(kernels)),
+             ("fused_bias_gelu", lambda: bench_fused([k for k in kernels if k != "ws"])),  # ws: no activation
              ("triton_linear_fwd_bwd", bench_linear)]
     for name, run in parts:
         if name.split("_")[0] in skip or name in skip:

@@ -55,9 +55,10 @@ import torch
 from ._env import TRITON_IMPORT_ERROR, _capability, check_device, interpreting, tl, triton
 from .gelu import sigmoid_f32
 from .launch import compiled_launch, lean_launch_enabled
+from .matmul_ws import lean_descriptors, ws_eligible, ws_launch
 
 ACTIVATIONS = (None, "gelu", "relu")
-KERNELS = ("auto", "grouped", "tma")
+KERNELS = ("auto", "grouped", "tma", "ws")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -510,7 +511,7 @@ def _matmul_2d(a, b, c, bias=None, z=None, activation=None, kernel="auto", split
     flags = dict(HAS_BIAS=bias is not None, ACTIVATION=activation or "", STORE_Z=z is not None)
     epilogue = bias is not None or activation is not None or z is not None
     if split_k is None:
-        split_k = 1 if (epilogue or kernel == "tma" or interp) else _auto_split_k(M, N, K, _num_sms(a.device))
+        split_k = 1 if (epilogue or kernel in ("tma", "ws") or interp) else _auto_split_k(M, N, K, _num_sms(a.device))
         if 1 < split_k < _SPLIT_K_OVER_TMA and kernel == "auto" and _TMA_AUTO in ("1", "all") \
                 and _tma_layout(a, b, M, N, K) is not None:
             split_k = 1  # the TMA kernel, unsplit, measured faster than a 2- or 3-way split (see below)
@@ -518,7 +519,7 @@ def _matmul_2d(a, b, c, bias=None, z=None, activation=None, kernel="auto", split
         if epilogue:
             raise ValueError("split_k > 1 adds fp32 partial sums after the kernel: it takes no bias, activation "
                              "or z; use split_k=1")
-        if kernel == "tma":
+        if kernel in ("tma", "ws"):
             raise ValueError("split_k > 1 runs on the grouped kernel; use kernel='grouped' or 'auto'")
         # The K slices write fp32 partials side by side; their sum, rounded once, is the result.
         parts = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device)
@@ -527,11 +528,11 @@ def _matmul_2d(a, b, c, bias=None, z=None, activation=None, kernel="auto", split
         launch, _ = _matmul_2d_launch(a, b, parts[0], None, None, flags, "grouped", split_k, parts.stride(0),
                                       interp)
         _sum_parts(parts, c)
-        tma = False
+        kind = "grouped"
     else:
-        launch, tma = _matmul_2d_launch(a, b, c, bias, z, flags, kernel, 1, 0, interp)
+        launch, kind = _matmul_2d_launch(a, b, c, bias, z, flags, kernel, 1, 0, interp)
     if key is not None and launch is not None:
-        _PLANS[key] = (split_k, tma, launch)
+        _PLANS[key] = (split_k, kind, launch)
     return c
 
 
@@ -545,7 +546,7 @@ def _sum_parts(parts, c):
 
 def _run_plan(plan, a, b, c, bias, z):
     """Repeat a remembered launch with new tensors (same signature)."""
-    split_k, tma, launch = plan
+    split_k, kind, launch = plan
     dev = a.device.index
     if split_k > 1:
         M, N = c.shape
@@ -554,7 +555,10 @@ def _run_plan(plan, a, b, c, bias, z):
         launch(dev, a, b, p0, p0, p0)  # bias and z unused: c stands in, as in _matmul_2d_launch
         _sum_parts(parts, c)
         return c
-    if tma:
+    if kind == "ws":  # host-built TMA descriptors: five of them, then the bias
+        launch(dev, *lean_descriptors(a, b, c), bias if bias is not None else c)
+        return c
+    if kind == "tma":
         _set_tma_allocator()  # the device-side TMA descriptors' scratch memory
     launch(dev, a, b, c, bias if bias is not None else c, z if z is not None else c)
     return c
@@ -562,7 +566,7 @@ def _run_plan(plan, a, b, c, bias, z):
 
 def _matmul_2d_launch(a, b, c, bias, z, flags, kernel, split_k, stride_cs, interp):
     """Launch one kernel the ordinary way. Returns (a CompiledLaunch that repeats it, or None;
-    whether it was the TMA kernel)."""
+    which kernel ran: "grouped", "tma" or "ws")."""
     M, K = a.shape
     N = b.shape[1]
     bias_arg = bias if bias is not None else c  # never read when HAS_BIAS is False
@@ -589,8 +593,17 @@ def _matmul_2d_launch(a, b, c, bias, z, flags, kernel, split_k, stride_cs, inter
             c.copy_(c32)
         if z is not None and z32 is not z:
             z.copy_(z32)
-        return None, False
+        return None, "grouped"
 
+    global _LAST_KIND
+    if split_k == 1 and (kernel == "ws" or (kernel == "auto" and _TMA_AUTO != "0")):
+        if ws_eligible(a, b, c, bias, flags["ACTIVATION"] or None, z):
+            jit_fn, compiled, grid, args, kwargs = ws_launch(a, b, c, bias, _num_sms(a.device))
+            _LAST_KIND = "ws"
+            return compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=6), "ws"
+    if kernel == "ws":
+        raise ValueError("the warp-specialised kernel needs an sm_90 GPU (H100/H200), bf16 or fp16, the forward "
+                         "layout a @ w.t() with 16-byte-aligned rows, no activation; use kernel='auto'")
     want_tma = kernel == "tma" or (kernel == "auto" and _TMA_AUTO != "0")
     tma = _tma_layout(a, b, M, N, K) if want_tma else None
     if kernel == "auto" and _TMA_AUTO == "fwd" and tma is not None and (tma[0][0], tma[1][0]) != (False, True):
@@ -616,7 +629,8 @@ def _matmul_2d_launch(a, b, c, bias, z, flags, kernel, split_k, stride_cs, inter
         jit_fn, config = tuned.fn, tuned.best_config.all_kwargs()
     else:
         jit_fn, config = tuned, fixed
-    return compiled_launch(jit_fn, compiled, grid, args, {**kwargs, **config}, n_tensors=5), tma is not None
+    _LAST_KIND = "tma" if tma is not None else "grouped"
+    return compiled_launch(jit_fn, compiled, grid, args, {**kwargs, **config}, n_tensors=5), _LAST_KIND
 
 
 # MPGPT_AUTOTUNE=0 launches one fixed configuration instead of autotuning. Autotuning compiles
@@ -649,6 +663,7 @@ def _launcher(tuned, plain, fixed):
 # 65 against 44 split 8 ways for attn.c_proj's 768 x 768 output.
 _TMA_AUTO = os.environ.get("MPGPT_TRITON_TMA", "1")
 _SPLIT_K_OVER_TMA = 4
+_LAST_KIND = None  # which kernel the last ordinary (not lean) launch used: "grouped", "tma" or "ws" (benchmarks)
 
 
 def _tma_layout(a, b, M, N, K):

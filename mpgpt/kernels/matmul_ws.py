@@ -1,0 +1,261 @@
+"""A warp-specialised Hopper matmul written in Gluon, with 128 x 192 tiles (chapter 6).
+
+Why a third kernel. The GPT-2 products with N = 768 outputs (attn.c_proj, mlp.c_proj) stayed at
+0.80-0.86x of cuBLAS on the persistent TMA kernel (matmul.py) through four sessions of tuning
+(benchmarks/NOTES-kernels.md). Nsight Compute then showed what cuBLAS does there: 192 x 192
+tiles, one warpgroup issuing TMA loads and two warpgroups doing the MMAs (its kernel is
+`nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB`). 12288 x 768 makes 256 such tiles, 1.94 waves on
+132 multiprocessors, where power-of-two tiles give 576 tiles of 128 x 128 (4.36 waves, run as 5).
+
+Triton's tile language only has power-of-two blocks. A 192-wide tile can be two accumulators
+(128 + 64 columns) sharing each A tile, but written with `tl.dot` it was slower: the persistent
+loop resets the accumulators between tiles with register selects, and the assembler then
+serialises every MMA (ptxas warning C7515). Gluon, Triton's lower-level dialect, lets us write the
+schedule ourselves:
+
+* a **producer** partition (one warp, `gl.warp_specialize`) runs the TMA loads of every
+  (tile, K-step) of this program into a ring of STAGES shared-memory stages. Before reusing a
+  stage it waits on that stage's `empty` barrier; each load arms the stage's `ready` barrier
+  with the bytes it will deliver. It runs ahead into the next tile while the MMA warps are busy
+  with an epilogue, so a new tile starts with its operands already loaded;
+* the **MMA** partition (8 warps, two warpgroups sharing a tile's 128 rows) waits on `ready`,
+  issues two asynchronous warpgroup MMAs per K-step (the 128- and the 64-wide part, same A
+  stage), starts every tile with `use_acc=False` instead of zeroing registers, and releases a
+  stage (arrives on `empty`) once the MMAs that read it are done. Then the epilogue: bias in
+  fp32 (loaded before the tile's MMAs), one rounding, TMA stores (which drop what lies past
+  the edges; loads past the edges read zeros).
+
+Measured on the H200 (benchmarks/ws_probe.py, CUDA-graph replay): 24.7 us against cuBLAS's
+25.0 at 12288 x 768 x 768 (the TMA kernel: 30-31 us), 92.1 against 90.9 at 12288 x 768 x 3072.
+
+Scope, checked by `ws_eligible`: sm_90 exactly (Blackwell has no wgmma), bf16/fp16, the forward
+layout (A (M, K) with unit column stride, B = w.t() for a row-major weight w (N, K)), optional
+bias, no activation, C row-major; every base address and row pitch 16-byte aligned. Everything
+else goes to matmul.py's kernels. Gluon kernels run only compiled (there is no interpreter for
+them); where Gluon is missing, WS_IMPORT_ERROR says why and nothing here is used.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._env import TRITON_IMPORT_ERROR, _capability, interpreting, triton
+
+WS_IMPORT_ERROR = TRITON_IMPORT_ERROR
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+except Exception as e:  # no Triton, or one without Gluon's Hopper module
+    WS_IMPORT_ERROR = WS_IMPORT_ERROR or f"triton.experimental.gluon is unavailable ({e})"
+
+# The one configuration (chosen on the H200: 4 stages beat 3 at every GPT-2 shape).
+BLOCK_M, BLOCK_N, EXTRA_N, BLOCK_K, STAGES, GROUP_M, NUM_WARPS = 128, 128, 64, 64, 4, 8, 8
+
+if WS_IMPORT_ERROR is None and not interpreting():
+
+    @gluon.jit
+    def _tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
+                      TILE_N: gl.constexpr):
+        """Corner of tile `tile_id` in grouped order (as matmul._tile_coords)."""
+        num_pid_in_group = GROUP_M * num_pid_n
+        group_id = tile_id // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + (tile_id % num_pid_in_group) % group_size_m
+        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        return pid_m * BLOCK_M, pid_n * TILE_N
+
+    @gluon.jit
+    def _producer(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        """One warp: the TMA loads of every (tile, K-step) of this program, at most STAGES ahead."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        TILE_N: gl.constexpr = BLOCK_N + b2_desc.block_type.shape[0]
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes + b2_desc.block_type.nbytes
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, TILE_N)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        p = 0  # steps loaded so far; step p uses stage p % STAGES
+        for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+            off_m, off_n = _tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, TILE_N)
+            for k in range(k_tiles):
+                s = p % STAGES
+                # Wait until the MMA warps released this stage. In the first pass through the
+                # ring nothing was released yet: waiting on the parity of the phase "before"
+                # phase 0 returns at once.
+                mbarrier.wait(empty.index(s), ((p // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), nbytes)
+                tma.async_copy_global_to_shared(a_desc, [off_m, k * BLOCK_K], ready.index(s), a_bufs.index(s))
+                tma.async_copy_global_to_shared(b_desc, [off_n, k * BLOCK_K], ready.index(s), b_bufs.index(s))
+                tma.async_copy_global_to_shared(b2_desc, [off_n + BLOCK_N, k * BLOCK_K], ready.index(s),
+                                                b2_bufs.index(s))
+                p += 1
+
+    @gluon.jit
+    def _load_bias(bias_ptr, off_n, N, WIDTH: gl.constexpr, layout: gl.constexpr):
+        """bias[off_n : off_n + WIDTH] in fp32 as a (1, WIDTH) row in the accumulator's layout (0 past N)."""
+        cols = off_n + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+        return gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
+
+    @gluon.jit
+    def _mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_smem, c2_smem, bias_ptr, M, N, K,
+                       HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                       num_warps: gl.constexpr):
+        """The default partition: the MMAs and the epilogue of every tile of this program."""
+        BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+        EXTRA_N: gl.constexpr = c2_desc.block_type.shape[1]
+        BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+        # Accumulators in wgmma's register layout: warpgroups stacked along M, each owning
+        # BLOCK_M / (num_warps / 4) rows; one instruction covers 64 rows x (BLOCK_N or EXTRA_N) x 16.
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+        layout2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                          instr_shape=[16, EXTRA_N, 16])
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N + EXTRA_N)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout)     # (BLOCK_M, BLOCK_N)
+        acc2 = gl.zeros((BLOCK_M, EXTRA_N), gl.float32, layout2)   # (BLOCK_M, EXTRA_N): the next columns
+        c = 0  # steps consumed so far
+        for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+            off_m, off_n = _tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N + EXTRA_N)
+            if HAS_BIAS:  # loaded now, so that its latency hides behind the MMAs
+                bias = _load_bias(bias_ptr, off_n, N, BLOCK_N, layout)
+                bias2 = _load_bias(bias_ptr, off_n + BLOCK_N, N, EXTRA_N, layout2)
+            for k in range(k_tiles):
+                s = c % STAGES
+                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                # B stages hold (N, K) tiles of w; the MMA reads them transposed. use_acc=False
+                # on a tile's first step discards what the registers held.
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=k > 0,
+                                    is_async=True)
+                acc2 = warpgroup_mma(a_bufs.index(s), b2_bufs.index(s).permute((1, 0)), acc2, use_acc=k > 0,
+                                     is_async=True)
+                # At most this step's two MMAs are still running, so the previous step's stage
+                # has been read: hand it back to the producer.
+                acc, acc2 = warpgroup_mma_wait(2, deps=(acc, acc2))
+                mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=k > 0)
+                c += 1
+            acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
+            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
+            # The previous tile's TMA stores must have read c_smem / c2_smem before we overwrite them.
+            y, y2 = acc, acc2  # new names: a bias sum must not write the accumulators' registers
+            if HAS_BIAS:
+                y, y2 = acc + bias, acc2 + bias2
+            tma.store_wait(pendings=0)
+            c_smem.store(y.to(c_desc.dtype))  # one rounding
+            c2_smem.store(y2.to(c2_desc.dtype))
+            fence_async_shared()  # the stores above, visible to the TMA unit
+            tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+            tma.async_copy_shared_to_global(c2_desc, [off_m, off_n + BLOCK_N], c2_smem)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _matmul_ws_kernel(
+        a_desc, b_desc, b2_desc,            # TMA descriptors of A (M, K) and of w (N, K), two box widths
+        c_desc, c2_desc,                    # ... and of C (M, N), two box widths
+        bias_ptr, M, N, K,                  # bias (N,), read only if HAS_BIAS
+        HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+        STAGES: gl.constexpr,               # shared-memory stages in the load ring
+        num_warps: gl.constexpr,            # of the MMA partition (the producer adds one warp)
+    ):
+        # The descriptors are built on the host (ws_launch) and passed as kernel parameters, so
+        # every thread of every partition sees them without a device-side fence. Their boxes
+        # fix the tile: BLOCK_M x BLOCK_K for A, BLOCK_N (EXTRA_N) x BLOCK_K for w, and so on.
+        dtype: gl.constexpr = a_desc.dtype
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        b2_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b2_desc.block_type.shape, b2_desc.layout)
+        c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
+        c2_smem = gl.allocate_shared_memory(dtype, c2_desc.block_type.shape, c2_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        fence_async_shared()  # the initialised barriers, visible to the TMA unit
+        gl.warp_specialize([
+            (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_smem, c2_smem, bias_ptr,
+                              M, N, K, HAS_BIAS, GROUP_M, STAGES, num_warps)),
+            (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, GROUP_M, STAGES)),
+        ], [1], [40])  # the producer: 1 warp, 40 registers a thread (the MMA warps get the rest)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """A TMA descriptor can address t: 2-D, unit column stride, 16-byte base and row pitch."""
+    return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+def ws_eligible(a, b, c, bias, activation, z) -> bool:
+    """True if matmul_ws can compute c = a @ b (+ bias): see the module docstring's scope."""
+    if WS_IMPORT_ERROR is not None or interpreting() or not a.is_cuda:
+        return False
+    if activation is not None or z is not None or a.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if c.dtype != a.dtype or _capability(a.device) != (9, 0):
+        return False
+    M, K = a.shape
+    N = b.shape[1]
+    if min(M, N, K) < 16 or (bias is not None and bias.stride(0) != 1):
+        return False
+    w = b.t()  # the forward layout: b = w.t() for a row-major (N, K) weight
+    return _aligned(a) and _aligned(w) and _aligned(c)
+
+
+_LAYOUTS: dict = {}
+
+
+def _layouts(dtype):
+    """The NVMMA shared-memory layouts (swizzles) of the five descriptor boxes, per dtype."""
+    if dtype not in _LAYOUTS:
+        gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+        get = gl.NVMMASharedLayout.get_default_for
+        _LAYOUTS[dtype] = [([bm, bn], get([bm, bn], gdt)) for bm, bn in
+                           ((BLOCK_M, BLOCK_K), (BLOCK_N, BLOCK_K), (EXTRA_N, BLOCK_K), (BLOCK_M, BLOCK_N),
+                            (BLOCK_M, EXTRA_N))]
+    return _LAYOUTS[dtype]
+
+
+class _HostDesc:
+    """What Triton's launcher reads from a TMA descriptor argument (base, shape, strides,
+    padding; the box and swizzle come from the compiled kernel). The lean launch path builds
+    these instead of TensorDescriptor objects, whose checks the first call already passed for
+    the same shapes, strides and alignments."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, base):
+        self.base, self.shape, self.strides, self.padding = base, base.shape, base.stride(), "zero"
+
+
+def ws_tensors(a, b, c):
+    """The five descriptor operands of a launch, in kernel order: A, w twice, C twice (w = b.t())."""
+    w = b.t()
+    return a, w, w, c, c
+
+
+def lean_descriptors(a, b, c):
+    """The five descriptor arguments for a repeated launch (see _HostDesc)."""
+    return tuple(_HostDesc(t) for t in ws_tensors(a, b, c))
+
+
+def ws_launch(a, b, c, bias, num_sms, num_programs=None):
+    """Launch c = a @ b (+ bias) on the warp-specialised kernel (the caller checked ws_eligible).
+    Returns (the jitted kernel, the compiled kernel, grid, args, kwargs): what
+    launch.compiled_launch needs to repeat it, with the five descriptors and the bias first."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    M, K = a.shape
+    N = b.shape[1]
+    descs = tuple(TensorDescriptor.from_tensor(t, box, layout)
+                  for t, (box, layout) in zip(ws_tensors(a, b, c), _layouts(a.dtype)))
+    tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N + EXTRA_N)
+    grid = (min(num_programs or num_sms, tiles),)
+    args = (*descs, bias if bias is not None else c, M, N, K)
+    kwargs = dict(HAS_BIAS=bias is not None, GROUP_M=GROUP_M, STAGES=STAGES, num_warps=NUM_WARPS)
+    compiled = _matmul_ws_kernel[grid](*args, **kwargs)
+    return _matmul_ws_kernel, compiled, grid, args, kwargs
