@@ -408,6 +408,17 @@ def test_ws_kernel_only_where_it_can_run():
         assert rel_err(matmul(a, w.t(), kernel="ws"), reference(a, w.t())) < TOL[torch.bfloat16]
 
 
+def test_ws_preferred_where_its_tiles_fill_the_waves():
+    """kernel="auto" takes the 128 x 192-tile kernel unless the TMA kernel's 128 x 256 tiles fill
+    the waves of 132 SMs clearly better: at GPT-2's N = 768 outputs 384 tiles (2.9 waves) beat
+    288 (2.2, run as 3); at 4096^3, 704 tiles (5.3 waves) lose to 512 (3.9)."""
+    ws = importlib.import_module("mpgpt.kernels.matmul_ws")
+    for M, N in [(12288, 768), (12288, 2304), (12288, 3072), (12288, 50304), (8192, 8192)]:
+        assert ws.ws_preferred(M, N, 132), (M, N)
+    assert not ws.ws_preferred(4096, 4096, 132)
+    assert ws._wave_efficiency(384, 132) == 384 / 396 and ws._wave_efficiency(288, 132) == 288 / 396
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU (compiled) tests: run on the H200 before GPU work is resolved
 # ------------------------------------------------------------------------------------------------

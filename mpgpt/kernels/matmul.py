@@ -18,7 +18,7 @@ the grid with `triton.cdiv`; then the tests (tests/test_kernels.py) and the benc
   strided or transposed operands are read in place: the kernel takes the strides, so
   `matmul(x, w.t())` reads nn.Linear's weight without a copy.
 
-Two kernels:
+Two kernels here, and a third in matmul_ws.py:
 
 1. `_matmul_kernel` — the tutorial's kernel: one program per (BLOCK_M, BLOCK_N) output tile,
    tiles visited in *grouped* order (GROUP_M rows of tiles at a time) so the tiles running
@@ -34,6 +34,11 @@ Two kernels:
    Its autotuned options, chosen by measurement (benchmarks/tma_variants.py): output tiles
    stored through TMA too, the epilogue run on two half tiles, compiler warp specialisation,
    and two programs per multiprocessor.
+3. `matmul_ws._matmul_ws_kernel` — sm_90 only, written in Gluon: warp-specialised (a TMA
+   producer warp, two MMA warpgroups) with 128 x 192 tiles, the shape of cuBLAS's own kernel for
+   GPT-2's N = 768 outputs, which power-of-two tiles cannot fill evenly. `kernel="auto"` uses it
+   for forward products without activation (bias allowed) wherever its tiles fill the GPU's
+   waves about as well as the TMA kernel's (matmul_ws.ws_preferred).
 
 Host time. A Triton launch costs tens of microseconds of Python before the GPU starts, more than
 a 12288 x 768 x 768 product takes on an H200. After the first call with a given signature,
@@ -55,7 +60,7 @@ import torch
 from ._env import TRITON_IMPORT_ERROR, _capability, check_device, interpreting, tl, triton
 from .gelu import sigmoid_f32
 from .launch import compiled_launch, lean_launch_enabled
-from .matmul_ws import lean_descriptors, ws_eligible, ws_launch
+from .matmul_ws import lean_descriptors, ws_eligible, ws_launch, ws_preferred
 
 ACTIVATIONS = (None, "gelu", "relu")
 KERNELS = ("auto", "grouped", "tma", "ws")
@@ -386,9 +391,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     bias: (N,) in a's dtype or fp32, or None.
     activation: None, "relu", or "gelu" (the tanh approximation, = nn.GELU(approximate="tanh")).
     out: optional preallocated (..., N) result, a's dtype or fp32 (any strides).
-    kernel: "auto" (on Hopper, the persistent TMA kernel wherever it can read the operands:
-        16-byte aligned, one unit stride each; the grouped kernel otherwise, and for a product
-        that splits K 4 ways or more), "grouped", or "tma" (to compare them).
+    kernel: "auto" (on sm_90: the warp-specialised kernel for a @ w.t() without activation
+        where it fills the GPU better (matmul_ws.py); the persistent TMA kernel wherever it can
+        read the operands, 16-byte aligned with one unit stride each; the grouped kernel
+        otherwise, and for a product that splits K 4 ways or more), "grouped", "tma" or "ws"
+        (to compare them). Without a GPU every choice runs the grouped kernel in the interpreter.
     split_k: programs that share one output tile, each summing a slice of K into an fp32
         partial that the host then adds (grouped kernel; no bias or activation). None chooses
         from the shape on a GPU: more than 1 only when there are too few output tiles to fill
@@ -597,7 +604,8 @@ def _matmul_2d_launch(a, b, c, bias, z, flags, kernel, split_k, stride_cs, inter
 
     global _LAST_KIND
     if split_k == 1 and (kernel == "ws" or (kernel == "auto" and _TMA_AUTO != "0")):
-        if ws_eligible(a, b, c, bias, flags["ACTIVATION"] or None, z):
+        if ws_eligible(a, b, c, bias, flags["ACTIVATION"] or None, z) and (
+                kernel == "ws" or ws_preferred(M, N, _num_sms(a.device))):
             jit_fn, compiled, grid, args, kwargs = ws_launch(a, b, c, bias, _num_sms(a.device))
             _LAST_KIND = "ws"
             return compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=6), "ws"

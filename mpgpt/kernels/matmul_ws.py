@@ -207,6 +207,26 @@ def ws_eligible(a, b, c, bias, activation, z) -> bool:
     return _aligned(a) and _aligned(w) and _aligned(c)
 
 
+def _wave_efficiency(tiles: int, slots: int) -> float:
+    """Share of the programs' time spent on real tiles when `tiles` run in waves of `slots`."""
+    return tiles / (-(-tiles // slots) * slots)
+
+
+def ws_preferred(M: int, N: int, num_sms: int) -> bool:
+    """Whether kernel="auto" should take this kernel over the TMA kernel for an (M, N) output.
+
+    Both kernels reach about the same speed per tile; what differs is how well their tiles fill
+    the last wave. We compare 128 x 192 tiles with the TMA kernel's 128 x 256 (its choice for
+    large outputs) and keep the TMA kernel only where it fills the waves clearly better. On the
+    H200 (results/kernels_nvidia-h200_2026-12-01.json, do_bench) this picks the faster kernel at
+    all seven benchmark shapes: the warp-specialised one at the five GPT-2 shapes and 8192^3, the
+    TMA one at 4096^3 (704 tiles, 5.3 waves of 132, against 512 = 3.9 waves: 0.90x against 0.98x
+    of cuBLAS). A rule from seven measurements, not a model: treat it as such."""
+    ws = _wave_efficiency(-(-M // BLOCK_M) * -(-N // (BLOCK_N + EXTRA_N)), num_sms)
+    tma = _wave_efficiency(-(-M // 128) * -(-N // 256), num_sms)
+    return ws >= tma - 0.02
+
+
 _LAYOUTS: dict = {}
 
 
