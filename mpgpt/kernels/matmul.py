@@ -603,7 +603,7 @@ def _matmul_2d_launch(a, b, c, bias, z, flags, kernel, split_k, stride_cs, inter
         return None, "grouped"
 
     global _LAST_KIND
-    if split_k == 1 and (kernel == "ws" or (kernel == "auto" and _TMA_AUTO != "0")):
+    if split_k == 1 and (kernel == "ws" or (kernel == "auto" and _TMA_AUTO != "0" and _WS_AUTO != "0")):
         if ws_eligible(a, b, c, bias, flags["ACTIVATION"] or None, z) and (
                 kernel == "ws" or ws_preferred(M, N, _num_sms(a.device))):
             jit_fn, compiled, grid, args, kwargs = ws_launch(a, b, c, bias, _num_sms(a.device))
@@ -671,6 +671,8 @@ def _launcher(tuned, plain, fixed):
 # 65 against 44 split 8 ways for attn.c_proj's 768 x 768 output.
 _TMA_AUTO = os.environ.get("MPGPT_TRITON_TMA", "1")
 _SPLIT_K_OVER_TMA = 4
+# MPGPT_WS=0 keeps kernel="auto" off the warp-specialised kernel (matmul_ws.py), to compare.
+_WS_AUTO = os.environ.get("MPGPT_WS", "1")
 _LAST_KIND = None  # which kernel the last ordinary (not lean) launch used: "grouped", "tma" or "ws" (benchmarks)
 
 
