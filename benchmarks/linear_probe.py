@@ -20,23 +20,13 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench_cudagraph
 
-from mpgpt.kernels import TritonLinear
-from mpgpt.kernels.bench import LINEAR_SHAPES
+from mpgpt.kernels.bench import LINEAR_SHAPES, linear_case
 from mpgpt.kernels.matmul import _matmul_2d
 
 M = 12288
-
-
-def step_fn(layer, x, g):
-    def fn():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = layer(x)
-        y.backward(g)
-    return fn
 
 
 def split_step(fn, params, n=20):
@@ -79,11 +69,8 @@ def split_step(fn, params, n=20):
 
 def host_profile():
     label, fin, fout, act = [s for s in LINEAR_SHAPES if s[0] == "attn.c_proj"][0]
-    lin = nn.Linear(fin, fout, device="cuda")
-    tri = TritonLinear.from_linear(lin, activation=act)
-    x = torch.randn(M, fin, device="cuda", requires_grad=True)
-    g = torch.randn(M, fout, device="cuda", dtype=torch.bfloat16)
-    fn = step_fn(tri, x, g)
+    lin, _, tri, x, g, step = linear_case(M, fin, fout, act)
+    fn = step(tri)
     torch.autograd.set_multithreading_enabled(False)  # backward on this thread, where cProfile looks
     for _ in range(5):
         fn()
@@ -109,14 +96,10 @@ def main():
         host_profile()
     rows = []
     for label, fin, fout, act in LINEAR_SHAPES:
-        lin = nn.Linear(fin, fout, device="cuda")
-        ref = nn.Sequential(lin, nn.GELU(approximate="tanh")) if act else lin
-        tri = TritonLinear.from_linear(lin, activation=act)
-        x = torch.randn(M, fin, device="cuda", requires_grad=True)
-        g = torch.randn(M, fout, device="cuda", dtype=torch.bfloat16)
+        lin, ref, tri, x, g, step = linear_case(M, fin, fout, act)
         params = [x, lin.weight, lin.bias]
         for name, layer in (("nn.Linear", ref), ("TritonLinear", tri)):
-            r = dict(layer=label, path=name, **split_step(step_fn(layer, x, g), params))
+            r = dict(layer=label, path=name, **split_step(step(layer), params))
             rows.append(r)
             print(f"{label:12s} {name:12s} wall {r['wall_us']:7.1f} us  host {r['host_us']:7.1f} us  "
                   f"GPU {r['gpu_us']:7.1f} us", flush=True)

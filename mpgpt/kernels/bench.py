@@ -150,23 +150,31 @@ def bench_fused(kernels, M=12288, K=768, N=3072):
     return res
 
 
-def bench_linear(M=12288):
+def linear_case(M, fin, fout, act):
+    """One layer comparison: (nn.Linear, + nn.GELU if act), a TritonLinear sharing its parameters,
+    fp32 input x (M, fin) that needs a gradient, bf16 output gradient g (M, fout), and
+    step(layer) -> a function running one forward + backward under bf16 autocast."""
     from .linear import TritonLinear
 
+    lin = nn.Linear(fin, fout, device="cuda")
+    ref_layer = nn.Sequential(lin, nn.GELU(approximate="tanh")) if act else lin
+    tri_layer = TritonLinear.from_linear(lin, activation=act)
+    x = torch.randn(M, fin, device="cuda", requires_grad=True)
+    g = torch.randn(M, fout, device="cuda", dtype=torch.bfloat16)
+
+    def step(layer):
+        def fn():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = layer(x)
+            y.backward(g)
+        return fn
+    return lin, ref_layer, tri_layer, x, g, step
+
+
+def bench_linear(M=12288):
     rows = []
     for label, fin, fout, act in LINEAR_SHAPES:
-        lin = nn.Linear(fin, fout, device="cuda")
-        ref_layer = nn.Sequential(lin, nn.GELU(approximate="tanh")) if act else lin
-        tri_layer = TritonLinear.from_linear(lin, activation=act)
-        x = torch.randn(M, fin, device="cuda", requires_grad=True)
-        g = torch.randn(M, fout, device="cuda", dtype=torch.bfloat16)
-
-        def step(layer):
-            def fn():
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    y = layer(x)
-                y.backward(g)
-            return fn
+        lin, ref_layer, tri_layer, x, g, step = linear_case(M, fin, fout, act)
 
         params = [x, lin.weight, lin.bias]
         ms_ref = _median_ms(step(ref_layer), grad_to_none=params)
