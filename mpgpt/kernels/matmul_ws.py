@@ -25,8 +25,9 @@ schedule ourselves:
   fp32 (loaded before the tile's MMAs), one rounding, TMA stores (which drop what lies past
   the edges; loads past the edges read zeros).
 
-Measured on the H200 (benchmarks/ws_probe.py, CUDA-graph replay): 24.7 us against cuBLAS's
-25.0 at 12288 x 768 x 768 (the TMA kernel: 30-31 us), 92.1 against 90.9 at 12288 x 768 x 3072.
+Measured on the H200 (CUDA-graph replay; benchmarks/NOTES-kernels.md, session 5): 24.7 us against
+cuBLAS's 25.0 at 12288 x 768 x 768 (the TMA kernel: 30-31 us), 92.1 against 90.9 at
+12288 x 768 x 3072.
 
 Scope, checked by `ws_eligible`: sm_90 exactly (Blackwell has no wgmma), bf16/fp16, the forward
 layout (A (M, K) with unit column stride, B = w.t() for a row-major weight w (N, K)), optional
@@ -49,7 +50,7 @@ try:
 except Exception as e:  # no Triton, or one without Gluon's Hopper module
     WS_IMPORT_ERROR = WS_IMPORT_ERROR or f"triton.experimental.gluon is unavailable ({e})"
 
-# The one configuration (chosen on the H200: 4 stages beat 3 at every GPT-2 shape).
+# The one configuration (on the H200, 4 stages beat 3 at each of the three shapes timed both ways).
 BLOCK_M, BLOCK_N, EXTRA_N, BLOCK_K, STAGES, GROUP_M, NUM_WARPS = 128, 128, 64, 64, 4, 8, 8
 
 if WS_IMPORT_ERROR is None and not interpreting():
