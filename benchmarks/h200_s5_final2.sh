@@ -2,6 +2,7 @@
 # Session 5, call 8 (kind nvidia-h200), on the final code (kernel="auto" picks the warp-specialised
 # kernel by ws_preferred): the kernel GPU tests, the kernel benchmark (the do_bench
 # numbers), the eager training rows with and without the Triton layers, and chapter 6 under nbval.
+# Call 7 ran the first two steps on the code before ws_preferred (h200_s5_final.sh, commit 13c63fa).
 source benchmarks/device_env.sh
 t0=$(date +%s)
 MPGPT_AUTOTUNE=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -m "sm80 or not sm80" -k "gpu or compiles or ws" tests/test_kernels.py 2>&1 | tee $LOG/gpu_tests.log | tail -3

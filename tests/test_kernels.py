@@ -396,14 +396,20 @@ def test_ws_kernel_only_where_it_can_run():
     layout a @ w.t() with aligned rows and no activation; never on a CPU or in the interpreter,
     where matmul runs the grouped kernel whatever `kernel` says (as for "tma")."""
     ws = importlib.import_module("mpgpt.kernels.matmul_ws")
-    a, w = rand(64, 48), rand(40, 48)
+    a, w, bias = rand(64, 48), rand(40, 48), rand(40)
     c = torch.empty(64, 40, dtype=torch.bfloat16, device=DEVICE)
-    eligible = ws.ws_eligible(a, w.t(), c, None, None, None)
     on_sm90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0) and not _env.interpreting()
-    assert eligible == (on_sm90 and ws.WS_IMPORT_ERROR is None)
-    assert not ws.ws_eligible(a, w.t(), c, None, "gelu", None)                  # no activation epilogue
-    assert not ws.ws_eligible(a, w.t().contiguous(), c, None, None, None)      # b must be w.t()
-    assert not ws.ws_eligible(a, w.t(), c.float(), None, None, None)           # output in a's dtype
+    assert ws.ws_eligible(a, w.t(), c, bias, None, None) == (on_sm90 and ws.WS_IMPORT_ERROR is None)
+    # The operands' half of the decision, on any device:
+    fit = ws.ws_operands_fit
+    assert fit(a, w.t(), c, bias, None, None) and fit(a.half(), w.half().t(), c.half(), None, None, None)
+    assert not fit(a, w.t(), c, None, "gelu", None)                    # no activation epilogue
+    assert not fit(a, w.t(), c, None, None, c)                         # no saved pre-activation
+    assert not fit(a, w.t().contiguous(), c, None, None, None)         # b must be w.t()
+    assert not fit(a, w.t(), c.float(), None, None, None)              # output in a's dtype
+    assert not fit(a.float(), w.float().t(), c.float(), None, None, None)  # bf16/fp16 only
+    assert not fit(rand(64, 40)[:, :36], rand(40, 36).t(), c, None, None, None)  # 72-byte rows: no TMA
+    assert not fit(a[:8], w.t(), c[:8], None, None, None)              # M < 16
     if DEVICE == "cpu":
         assert rel_err(matmul(a, w.t(), kernel="ws"), reference(a, w.t())) < TOL[torch.bfloat16]
 

@@ -192,13 +192,12 @@ def _aligned(t: torch.Tensor) -> bool:
             and (t.stride(0) * t.element_size()) % 16 == 0)
 
 
-def ws_eligible(a, b, c, bias, activation, z) -> bool:
-    """True if matmul_ws can compute c = a @ b (+ bias): see the module docstring's scope."""
-    if WS_IMPORT_ERROR is not None or interpreting() or not a.is_cuda:
-        return False
+def ws_operands_fit(a, b, c, bias, activation, z) -> bool:
+    """The operands' half of ws_eligible (any device): dtypes, the forward layout, alignment,
+    bias but no activation or saved pre-activation, no dimension below 16."""
     if activation is not None or z is not None or a.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if c.dtype != a.dtype or _capability(a.device) != (9, 0):
+    if c.dtype != a.dtype:
         return False
     M, K = a.shape
     N = b.shape[1]
@@ -206,6 +205,13 @@ def ws_eligible(a, b, c, bias, activation, z) -> bool:
         return False
     w = b.t()  # the forward layout: b = w.t() for a row-major (N, K) weight
     return _aligned(a) and _aligned(w) and _aligned(c)
+
+
+def ws_eligible(a, b, c, bias, activation, z) -> bool:
+    """True if matmul_ws can compute c = a @ b (+ bias): see the module docstring's scope."""
+    if WS_IMPORT_ERROR is not None or interpreting() or not a.is_cuda or _capability(a.device) != (9, 0):
+        return False
+    return ws_operands_fit(a, b, c, bias, activation, z)
 
 
 def _wave_efficiency(tiles: int, slots: int) -> float:
