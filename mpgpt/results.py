@@ -1,0 +1,141 @@
+"""Benchmark results: the one module that knows their schema and where they live.
+
+A result is a JSON object ``{"environment": {...}, **payload}``. The environment says where and when
+the numbers were made: GPU (or CPU), driver, CUDA, torch and triton versions, the date, the
+command line and the code commit. Two kinds of results exist:
+
+* **New runs** (``python -m mpgpt.bench ...``) go to ``--out-dir``, by default the current
+  folder, as ``<kind>_<machine>_<date>[_<tag>].json``. Nothing is ever written into the package.
+* **Curated records** ship inside the package (``mpgpt/records/*.json``, package data), so a chapter
+  shows the same numbers from a repository checkout, an editable install or a wheel installed on
+  Colab. They are loaded by name (``load_record("kernels-h200")``), never by searching a folder,
+  so a stray file cannot change what the book says. ``RECORDS`` lists them with what each holds;
+  ``benchmarks/README.md`` maps every number the book quotes to its record.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+RECORDS_DIR = Path(__file__).resolve().parent / "records"
+
+# name -> what the record holds (and the chapter that shows it)
+RECORDS = {
+    "kernels-h200": "Triton matmul kernels against cuBLAS, fused bias+GELU, TritonLinear (chapter 6)",
+    "train-h200": "GPT-2 small training throughput ladder, largest batch, a real run (chapters 3, 5, 7)",
+    "train-h200-rerun": "the ladder's scaler rows re-measured after the sync-free scaler (chapter 7)",
+    "scaler-overhead-cpu": "DynamicLossScaler against torch.amp.GradScaler, step time on 2 CPU cores (chapter 5)",
+    "scaler-overhead-h200": "DynamicLossScaler against torch.amp.GradScaler, step time on an H200 (chapter 5)",
+    "ddp-h200x2": "DDP and FSDP2 on 1 and 2 H200s: tokens/s and scaling efficiency (chapter 8)",
+}
+
+
+def load_record(name: str) -> dict:
+    """A curated record shipped with the package, by name (see RECORDS)."""
+    if name not in RECORDS:
+        raise KeyError(f"no curated record {name!r}; the records are: {', '.join(RECORDS)}")
+    return json.loads((RECORDS_DIR / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def load_result(path) -> dict:
+    """A result file written by a benchmark run (for example your own, from ``--out-dir``)."""
+    path = Path(path)
+    result = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(result, dict) or "environment" not in result:
+        raise ValueError(f"{path} is not an mpgpt result (no 'environment'); pass a file a benchmark wrote")
+    return result
+
+
+def describe(result: dict) -> str:
+    """One line: where and when a result was measured."""
+    env = result.get("environment", {})
+    where = env.get("gpu") or env.get("device_name") or env.get("cpu") or "CPU"
+    versions = ", ".join(f"{k} {env[k]}" for k in ("driver", "cuda", "torch", "triton") if env.get(k))
+    cap = f" ({env['capability']})" if env.get("capability") else ""
+    return f"{where}{cap}, {versions}, {str(env.get('date', '?'))[:10]}"
+
+
+def code_commit() -> str | None:
+    """The commit of the code that runs: MPGPT_COMMIT if set, else git's HEAD if the package sits in
+    a checkout, else None (a wheel records its version instead)."""
+    if os.environ.get("MPGPT_COMMIT"):
+        return os.environ["MPGPT_COMMIT"]
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def environment(command: str | None = None) -> dict:
+    """Hardware and software versions for a result record."""
+    from mpgpt import __version__
+
+    env = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command if command is not None else shlex.join(["python", "-m", "mpgpt.bench", *sys.argv[1:]]),
+        "commit": code_commit(),
+        "mpgpt": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count(),
+                   capability=f"sm_{major}{minor}", multiprocessors=props.multi_processor_count,
+                   driver=_driver_version())
+    return env
+
+
+def _driver_version() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def machine_slug(env: dict) -> str:
+    """'nvidia-h200' or 'cpu': the machine part of a result's file name."""
+    return re.sub(r"[^a-z0-9]+", "-", (env.get("gpu") or "cpu").lower()).strip("-")
+
+
+def write_result(kind: str, payload: dict, out_dir=None, tag: str | None = None, command: str | None = None) -> Path:
+    """Write ``{environment, **payload}`` to ``<out_dir>/<kind>_<machine>_<date>[_<tag>].json``.
+
+    ``out_dir`` defaults to the current folder. The file is written whole or not at all (a temporary
+    file, then a rename), and an existing file of the same name is replaced."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]*", kind) or (tag is not None and not re.fullmatch(r"[A-Za-z0-9.-]+", tag)):
+        raise ValueError(f"kind and tag may hold letters, digits, '.' and '-' only; got {kind!r}, {tag!r}")
+    env = environment(command)
+    out = Path(out_dir) if out_dir is not None else Path.cwd()
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"{kind}_{machine_slug(env)}_{env['date'][:10]}" + (f"_{tag}" if tag else "") + ".json"
+    path = out / name
+    tmp = path.with_name(f".{name}.tmp")
+    tmp.write_text(json.dumps({"environment": env, **payload}, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
