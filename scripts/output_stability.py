@@ -82,7 +82,12 @@ def execute_one(path: Path, out: Path) -> None:
 def compare(path: Path, spec: str) -> list[str]:
     committed = nbformat.read(path, as_version=4)
     start = time.perf_counter()
-    ran = execute(path, parse_variant(spec))
+    try:
+        ran = execute(path, parse_variant(spec))
+    except subprocess.CalledProcessError:
+        line = f"{path.name} failed to execute under {spec} (its traceback is above)"
+        print(line, flush=True)
+        return [line]
     lines = []
     for index, (old, new) in enumerate(zip(committed.cells, ran.cells)):
         if not is_checked(old):
@@ -93,6 +98,8 @@ def compare(path: Path, spec: str) -> list[str]:
             lines.append(f"{path.name} cell {index} differs under {spec}:\n  " + "\n  ".join(diff))
     print(f"{path.name} [{spec}]: {time.perf_counter() - start:.0f} s, {len(lines)} checked cell(s) differ",
           flush=True)
+    for line in lines:
+        print(line, flush=True)
     return lines
 
 
@@ -114,7 +121,7 @@ def main(argv=None) -> int:
     jobs = [(nb, v) for v in variants for nb in notebooks]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         found = [line for lines in pool.map(lambda job: compare(*job), jobs) for line in lines]
-    print("\n".join(found) if found else "every checked cell printed its committed output under every variant")
+    print(f"{len(found)} difference(s)" if found else "every checked cell printed its committed output under every variant")
     return 1 if found else 0
 
 
