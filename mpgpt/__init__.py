@@ -35,7 +35,7 @@ _EXPORTS = {
     "CharTokenizer": "data", "TextDataset": "data", "default_corpus": "data", "load_text": "data",
     "StaticLossScaler": "scaling", "DynamicLossScaler": "scaling",
     "PrecisionPolicy": "precision", "resolve_precision": "precision",
-    "TrainConfig": "train", "History": "train",
+    "TrainConfig": "trainer", "History": "trainer", "Trainer": "trainer", "train": "train",
 }
 
 __all__ = sorted(_EXPORTS)

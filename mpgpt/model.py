@@ -27,6 +27,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from mpgpt.fused_loss import chunked_linear_cross_entropy
+
 # SDPA's backends with cuDNN's first, for attention="cudnn" (the rest keep their usual order).
 # set_priority arrived in torch 2.6; before it the list only enables backends (all of them here).
 _CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
@@ -37,6 +39,32 @@ __all__ = ["GPTConfig", "GPT", "PRESETS"]
 
 # Each preset names a model size used in the course. tiny and small are for character-level
 # data: pass your tokenizer's vocab_size as an override (256 covers any byte-level alphabet).
+
+# Dense bf16 (fp16 before sm_80) tensor-core peaks from the vendors' datasheets, in FLOP/s. MFU
+# (model FLOPs utilisation) is always reported against the bf16 peak, whatever the precision
+# policy, so the precisions can be compared; nanoGPT's estimate_mfu does the same with the A100's.
+PEAK_BF16 = {
+    "H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12,
+    "T4": 65e12, "V100": 125e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
+}
+
+
+def peak_flops(device) -> float | None:
+    """Datasheet dense bf16 (fp16 before sm_80) tensor-core FLOP/s of a CUDA device, or None if unknown."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_BF16.items():
+        if key in name:
+            return value
+    return None
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: the share of ``peak`` FLOP/s that the model's own arithmetic uses."""
+    return flops_per_token * tokens_per_s / peak if peak else None
+
 PRESETS = {
     # Trains on two CPU cores to a visibly falling loss in about a minute (chapter 2).
     "tiny": dict(n_layer=2, n_head=4, n_embd=128, block_size=64, vocab_size=256),
@@ -247,8 +275,6 @@ class GPT(nn.Module):
                 x = block(x)  # (B, T, C)
         x = self.transformer.ln_f(x)  # (B, T, C)
         if targets is not None and self.loss_chunk_rows:
-            from mpgpt.fused_loss import chunked_linear_cross_entropy
-
             if targets.shape != idx.shape:
                 raise ValueError(f"targets shape {tuple(targets.shape)} must match idx shape {tuple(idx.shape)}")
             loss = chunked_linear_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
@@ -349,23 +375,6 @@ class GPT(nn.Module):
         return 6 * N + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
 
     # --------------------------------------------------------------------------------- training
-
-    def configure_optimizer(self, weight_decay: float, lr: float, betas=(0.9, 0.95), device_type: str = "cpu"):
-        """AdamW with weight decay on 2-D parameters (matmul weights, embeddings) only.
-
-        Biases and LayerNorm gains are 1-D: decaying them toward zero only hurts. The fused
-        AdamW kernel (one launch for all parameters) is used on CUDA when this torch has it.
-        """
-        params = [p for p in self.parameters() if p.requires_grad]  # the tied weight appears once
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [
-            {"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
-        extra = {"fused": True} if fused else {}
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, **extra)
 
     def set_activation_checkpointing(self, enable: bool = True) -> "GPT":
         """Trade compute for memory: store only each block's input in the forward pass and recompute

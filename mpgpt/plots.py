@@ -8,23 +8,25 @@ Chapter 1 (number formats): `plot_bit_layouts`, `plot_value_bits`, `plot_represe
 `plot_accumulation`, `format_explorer`.
 
 Chapters 2 and 3 (training): `plot_loss_curves` (runs against loss floors), `plot_train_benchmark`
-(step time and peak memory from a `python -m mpgpt.bench train` result file).
-Chapter 6 (Triton kernels): `load_kernel_results`, `describe_environment`, `arithmetic_intensity`,
-`plot_kernel_tflops`, `plot_roofline`.
-Chapter 7 (putting it together): `newest_bench_result`, `ladder_rows`, `plot_train_ladder`,
-`plot_batch_sweep`, `plot_real_run` (the recorded GPT-2-small training ladder).
+(step time and peak memory from a `python -m mpgpt.bench train` result).
+Chapters 4 and 5 (loss scaling): `plot_gradient_exponents`, `plot_loss_scale`.
+Chapter 6 (Triton kernels): `arithmetic_intensity`, `plot_kernel_tflops`, `plot_roofline`.
+Chapter 7 (putting it together): `ladder_rows`, `plot_train_ladder`, `plot_batch_sweep`,
+`plot_real_run` (the recorded GPT-2-small training ladder).
+
+Functions take data (tensors, Histories, result dicts), never file names: mpgpt.results loads
+records and result files.
 """
 from __future__ import annotations
 
 import html
-import json
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from mpgpt import formats as F
+from mpgpt.results import describe as describe_result
 
 FIELD_COLORS = {"sign": "#e07a5f", "exponent": "#81b29a", "mantissa": "#3d85c6"}
 FORMAT_COLORS = {"fp32": "#222222", "fp16": "#d62728", "bf16": "#1f77b4",
@@ -204,7 +206,7 @@ def _curve(run):
     return list(steps), list(losses), [], []
 
 
-def _smooth(values, window: int):
+def moving_average(values, window: int):
     """Trailing moving average over `window` points (the first points average what exists so far)."""
     if window <= 1:
         return list(values)
@@ -239,7 +241,7 @@ def plot_loss_curves(runs, floors=None, *, smooth: int = 1, logy: bool = False, 
         color = RUN_COLORS[k % len(RUN_COLORS)]
         if smooth > 1:
             ax.plot(steps, losses, color=color, alpha=0.2, linewidth=0.8)
-            ax.plot(steps, _smooth(losses, smooth), color=color, label=f"{label} (train, {smooth}-step mean)")
+            ax.plot(steps, moving_average(losses, smooth), color=color, label=f"{label} (train, {smooth}-step mean)")
         else:
             ax.plot(steps, losses, color=color, label=label if not val_steps else f"{label} (train)")
         if val_steps:
@@ -297,146 +299,6 @@ def plot_train_benchmark(result: dict, configs=None) -> Figure:
     preset, batch = rows[0].get("preset", "?"), rows[0].get("batch_size", "?")
     fig.suptitle(f"{env.get('gpu', 'unknown device')} · torch {env.get('torch', '?')} · "
                  f"preset {preset}, batch {batch}", fontsize=10)
-    fig.tight_layout()
-    return fig
-
-
-# ----------------------------------------------------------------------------------------------
-# Chapter 6 (Triton kernels): recorded benchmark results against cuBLAS, and a roofline.
-# The result files are written by `python -m mpgpt.bench kernels` (mpgpt/kernels/bench.py); the
-# figures read them, so no number in the book is typed by hand.
-# ----------------------------------------------------------------------------------------------
-KERNEL_RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-KERNEL_STYLE = {  # series name in the result file -> (legend label, color)
-    "cublas": ("cuBLAS (torch.matmul)", "#4d4d4d"),
-    "grouped": ("Triton: grouped tile order", "#1f77b4"),
-    "tma": ("Triton: persistent grid + TMA", "#d62728"),
-    "auto": ("Triton: kernel='auto'", "#9467bd"),
-}
-
-
-def load_kernel_results(path=None, results_dir=None) -> dict:
-    """One kernel benchmark result (a dict). `path` names the file; otherwise the newest
-    `kernels_*.json` (by its recorded date) in `results_dir` (default: benchmarks/results/ of the
-    repository). The dict gets a `_path` entry saying which file it came from."""
-    if path is None:
-        folder = Path(results_dir) if results_dir is not None else KERNEL_RESULTS_DIR
-        found = []
-        for p in sorted(folder.glob("kernels_*.json")):
-            found.append((json.loads(p.read_text()).get("environment", {}).get("date", ""), p.name, p))
-        if not found:
-            raise FileNotFoundError(f"no kernels_*.json in {folder}; run `python -m mpgpt.bench kernels` on a GPU "
-                                    "or clone the course repository, which carries recorded results")
-        path = max(found)[2]
-    path = Path(path)
-    results = json.loads(path.read_text())
-    if "environment" not in results or "matmul" not in results:
-        raise ValueError(f"{path} is not a kernel benchmark result (needs 'environment' and 'matmul')")
-    results["_path"] = str(path)
-    return results
-
-
-def describe_environment(results: dict) -> str:
-    """'NVIDIA H200 (sm_90), driver ..., CUDA ..., torch ..., triton ..., 2026-11-30': where it ran."""
-    env = results["environment"]
-    cc = env.get("compute_capability") or env.get("capability")
-    sm = f"sm_{cc[0]}{cc[1]}" if isinstance(cc, (list, tuple)) else (cc or "?")
-    return (f"{env.get('gpu', '?')} ({sm}), driver {env.get('driver', '?')}, CUDA {env.get('cuda', '?')}, "
-            f"torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, {str(env.get('date', '?'))[:10]}")
-
-
-def arithmetic_intensity(M: int, N: int, K: int, bytes_per_element: int = 2) -> float:
-    """FLOP per byte of C = A @ B with A (M, K), B (K, N), C (M, N): 2MNK FLOPs over the bytes
-    that must cross from memory at least once (each input read once, the output written once)."""
-    return 2.0 * M * N * K / (bytes_per_element * (M * K + K * N + M * N))
-
-
-def _kernel_names(results: dict) -> list[str]:
-    row = results["matmul"][0]
-    return [k for k in results.get("kernels", []) if k in row]
-
-
-def plot_kernel_tflops(results: dict) -> Figure:
-    """TFLOP/s of each kernel and of cuBLAS for every benchmarked shape (bars), with the
-    fraction of cuBLAS written above each Triton bar."""
-    rows = results["matmul"]
-    kernels = _kernel_names(results)
-    series = ["cublas"] + kernels
-    width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(11, 4.8))
-    for j, name in enumerate(series):
-        label, color = KERNEL_STYLE.get(name, (name, None))
-        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(rows))]
-        heights = [r["cublas_tflops"] if name == "cublas" else r[name]["tflops"] for r in rows]
-        ax.bar(xs, heights, width=width, label=label, color=color)
-        if name != "cublas":
-            for x, r in zip(xs, rows):
-                ax.text(x, r[name]["tflops"] + 8, f"{r[name]['vs_cublas']:.2f}", ha="center", va="bottom",
-                        fontsize=7, rotation=90)
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([f"{r['shape']}\n{r['M']}x{r['N']}x{r['K']}" for r in rows], fontsize=8)
-    ax.set_ylabel("TFLOP/s (bf16 in, fp32 accumulate)")
-    ax.set_ylim(0, 1.18 * max(max(r["cublas_tflops"], *(r[k]["tflops"] for k in kernels)) for r in rows))
-    ax.set_title("Matmul throughput, median of do_bench (numbers: fraction of cuBLAS)\n"
-                 + describe_environment(results), fontsize=10)
-    ax.legend(fontsize=8, loc="upper left", ncol=len(series))
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    return fig
-
-
-def plot_roofline(results: dict, bandwidth_tbs: float, peak_tflops: float | None = None,
-                  bytes_per_element: int = 2, extra: dict | None = None) -> Figure:
-    """The roofline min(peak, bandwidth x intensity) with every benchmarked shape placed at its
-    arithmetic intensity and measured TFLOP/s. `peak_tflops` defaults to the fastest cuBLAS
-    result in the file (a measured ceiling, not the datasheet's); `bandwidth_tbs` is a memory
-    bandwidth in TB/s (pass a measured copy bandwidth and say where it came from). `extra` maps
-    a label to an (M, N, K) that was not measured: it is drawn on the roof, at its bound."""
-    import numpy as np
-
-    rows = results["matmul"]
-    kernels = _kernel_names(results)
-    peak = peak_tflops if peak_tflops is not None else max(r["cublas_tflops"] for r in rows)
-    ridge = peak / bandwidth_tbs  # FLOP/byte where the two ceilings meet (TFLOP/s / TB/s)
-    fig, ax = plt.subplots(figsize=(9, 5.2))
-    xs = np.logspace(-0.5, 4, 200)
-    ax.plot(xs, np.minimum(peak, bandwidth_tbs * xs), color="k", linewidth=2)
-    ax.axvline(ridge, color="0.6", linestyle=":", linewidth=1)
-    ax.text(ridge * 1.08, bandwidth_tbs * 1.5, f"ridge {ridge:.0f} FLOP/B", fontsize=8, color="0.35")
-    ax.text(1.2, bandwidth_tbs * 1.2 * 1.5, f"memory: {bandwidth_tbs:g} TB/s", fontsize=8, rotation=28)
-    ax.text(1.2, peak * 1.08, f"compute: {peak:.0f} TFLOP/s (best cuBLAS in the file)", fontsize=8)
-    for name in ["cublas"] + kernels:
-        label, color = KERNEL_STYLE.get(name, (name, None))
-        pts = [(arithmetic_intensity(r["M"], r["N"], r["K"], bytes_per_element),
-                r["cublas_tflops"] if name == "cublas" else r[name]["tflops"]) for r in rows]
-        ax.scatter(*zip(*pts), label=label, color=color, s=28, zorder=3,
-                   marker="s" if name == "cublas" else "o")
-    # Shapes with (nearly) the same intensity share one label; labels step down below the points
-    # so that neighbours do not overlap.
-    groups: dict = {}
-    for r in rows:
-        key = round(arithmetic_intensity(r["M"], r["N"], r["K"], bytes_per_element))
-        groups.setdefault(key, []).append(r)
-    for k, (key, rs) in enumerate(sorted(groups.items())):
-        low = min(min(r["cublas_tflops"], *(r[n]["tflops"] for n in kernels)) for r in rs)
-        ax.annotate(", ".join(r["shape"] for r in rs) + f" ({key})", (key, low),
-                    xytext=(key, peak * 0.3 / 1.45 ** k), fontsize=7, ha="right" if k % 2 == 0 else "left",
-                    arrowprops=dict(arrowstyle="-", color="0.6", linewidth=0.6))
-    for label, (M, N, K) in (extra or {}).items():
-        i = arithmetic_intensity(M, N, K, bytes_per_element)
-        bound = min(peak, bandwidth_tbs * i)
-        ax.scatter([i], [bound], marker="x", color="#ff7f0e", s=40, zorder=3)
-        ax.annotate(f"{label} ({i:.1f}): at most {bound:.0f} TFLOP/s", (i, bound), xytext=(6, -12),
-                    textcoords="offset points", fontsize=7, color="#b35900")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlim(0.5, 1e4)
-    ax.set_ylim(bandwidth_tbs * 0.25, peak * 1.6)
-    ax.set_xlabel(f"arithmetic intensity (FLOP per byte, {bytes_per_element}-byte elements, each moved once)")
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title("Roofline of the benchmarked matmuls\n" + describe_environment(results), fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
-    ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     return fig
 
@@ -555,9 +417,118 @@ def plot_loss_scale(scale, skipped, *, loss=None, steps=None, title: str = "Dyna
     return fig
 
 
+# ----------------------------------------------------------------------------------------------
+# Chapter 6 (Triton kernels): recorded benchmark results against cuBLAS, and a roofline.
+# The figures take a result as written by `python -m mpgpt.bench kernels` (mpgpt.results loads the
+# recorded one), so no number in the book is typed by hand.
+# ----------------------------------------------------------------------------------------------
+KERNEL_STYLE = {  # series name in the result file -> (legend label, color)
+    "cublas": ("cuBLAS (torch.matmul)", "#4d4d4d"),
+    "grouped": ("Triton: grouped tile order", "#1f77b4"),
+    "tma": ("Triton: persistent grid + TMA", "#d62728"),
+    "auto": ("Triton: kernel='auto'", "#9467bd"),
+}
+
+
+def arithmetic_intensity(M: int, N: int, K: int, bytes_per_element: int = 2) -> float:
+    """FLOP per byte of C = A @ B with A (M, K), B (K, N), C (M, N): 2MNK FLOPs over the bytes
+    that must cross from memory at least once (each input read once, the output written once)."""
+    return 2.0 * M * N * K / (bytes_per_element * (M * K + K * N + M * N))
+
+
+def _kernel_names(results: dict) -> list[str]:
+    row = results["matmul"][0]
+    return [k for k in results.get("kernels", []) if k in row]
+
+
+def plot_kernel_tflops(results: dict) -> Figure:
+    """TFLOP/s of each kernel and of cuBLAS for every benchmarked shape (bars), with the
+    fraction of cuBLAS written above each Triton bar."""
+    rows = results["matmul"]
+    kernels = _kernel_names(results)
+    series = ["cublas"] + kernels
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(11, 4.8))
+    for j, name in enumerate(series):
+        label, color = KERNEL_STYLE.get(name, (name, None))
+        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(rows))]
+        heights = [r["cublas_tflops"] if name == "cublas" else r[name]["tflops"] for r in rows]
+        ax.bar(xs, heights, width=width, label=label, color=color)
+        if name != "cublas":
+            for x, r in zip(xs, rows):
+                ax.text(x, r[name]["tflops"] + 8, f"{r[name]['vs_cublas']:.2f}", ha="center", va="bottom",
+                        fontsize=7, rotation=90)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"{r['shape']}\n{r['M']}x{r['N']}x{r['K']}" for r in rows], fontsize=8)
+    ax.set_ylabel("TFLOP/s (bf16 in, fp32 accumulate)")
+    ax.set_ylim(0, 1.18 * max(max(r["cublas_tflops"], *(r[k]["tflops"] for k in kernels)) for r in rows))
+    ax.set_title("Matmul throughput, median of do_bench (numbers: fraction of cuBLAS)\n"
+                 + describe_result(results), fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", ncol=len(series))
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_roofline(results: dict, bandwidth_tbs: float, peak_tflops: float | None = None,
+                  bytes_per_element: int = 2, extra: dict | None = None) -> Figure:
+    """The roofline min(peak, bandwidth x intensity) with every benchmarked shape placed at its
+    arithmetic intensity and measured TFLOP/s. `peak_tflops` defaults to the fastest cuBLAS
+    result in the file (a measured ceiling, not the datasheet's); `bandwidth_tbs` is a memory
+    bandwidth in TB/s (pass a measured copy bandwidth and say where it came from). `extra` maps
+    a label to an (M, N, K) that was not measured: it is drawn on the roof, at its bound."""
+    import numpy as np
+
+    rows = results["matmul"]
+    kernels = _kernel_names(results)
+    peak = peak_tflops if peak_tflops is not None else max(r["cublas_tflops"] for r in rows)
+    ridge = peak / bandwidth_tbs  # FLOP/byte where the two ceilings meet (TFLOP/s / TB/s)
+    fig, ax = plt.subplots(figsize=(9, 5.2))
+    xs = np.logspace(-0.5, 4, 200)
+    ax.plot(xs, np.minimum(peak, bandwidth_tbs * xs), color="k", linewidth=2)
+    ax.axvline(ridge, color="0.6", linestyle=":", linewidth=1)
+    ax.text(ridge * 1.08, bandwidth_tbs * 1.5, f"ridge {ridge:.0f} FLOP/B", fontsize=8, color="0.35")
+    ax.text(1.2, bandwidth_tbs * 1.2 * 1.5, f"memory: {bandwidth_tbs:g} TB/s", fontsize=8, rotation=28)
+    ax.text(1.2, peak * 1.08, f"compute: {peak:.0f} TFLOP/s (best cuBLAS in the file)", fontsize=8)
+    for name in ["cublas"] + kernels:
+        label, color = KERNEL_STYLE.get(name, (name, None))
+        pts = [(arithmetic_intensity(r["M"], r["N"], r["K"], bytes_per_element),
+                r["cublas_tflops"] if name == "cublas" else r[name]["tflops"]) for r in rows]
+        ax.scatter(*zip(*pts), label=label, color=color, s=28, zorder=3,
+                   marker="s" if name == "cublas" else "o")
+    # Shapes with (nearly) the same intensity share one label; labels step down below the points
+    # so that neighbours do not overlap.
+    groups: dict = {}
+    for r in rows:
+        key = round(arithmetic_intensity(r["M"], r["N"], r["K"], bytes_per_element))
+        groups.setdefault(key, []).append(r)
+    for k, (key, rs) in enumerate(sorted(groups.items())):
+        low = min(min(r["cublas_tflops"], *(r[n]["tflops"] for n in kernels)) for r in rs)
+        ax.annotate(", ".join(r["shape"] for r in rs) + f" ({key})", (key, low),
+                    xytext=(key, peak * 0.3 / 1.45 ** k), fontsize=7, ha="right" if k % 2 == 0 else "left",
+                    arrowprops=dict(arrowstyle="-", color="0.6", linewidth=0.6))
+    for label, (M, N, K) in (extra or {}).items():
+        i = arithmetic_intensity(M, N, K, bytes_per_element)
+        bound = min(peak, bandwidth_tbs * i)
+        ax.scatter([i], [bound], marker="x", color="#ff7f0e", s=40, zorder=3)
+        ax.annotate(f"{label} ({i:.1f}): at most {bound:.0f} TFLOP/s", (i, bound), xytext=(6, -12),
+                    textcoords="offset points", fontsize=7, color="#b35900")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(0.5, 1e4)
+    ax.set_ylim(bandwidth_tbs * 0.25, peak * 1.6)
+    ax.set_xlabel(f"arithmetic intensity (FLOP per byte, {bytes_per_element}-byte elements, each moved once)")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title("Roofline of the benchmarked matmuls\n" + describe_result(results), fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    return fig
+
+
 # ------------------------------------------------------------------------------------------------
 # Chapter 7 (putting it together): the training ladder from `python -m mpgpt.bench train` results.
-# The figures read the recorded JSON (mpgpt/bench.py writes it), so no number is typed by hand.
+# The figures take a result of `python -m mpgpt.bench train` (mpgpt.results loads the recorded one).
 # ------------------------------------------------------------------------------------------------
 # The rungs in the order the chapter climbs them; configurations a result file lacks are left out.
 TRAIN_LADDER = ("fp32", "tf32", "fp16", "fp16-gradscaler", "bf16", "bf16+compile",
@@ -569,31 +540,6 @@ def is_gpu_result(result: dict) -> bool:
     """Whether a result file was recorded on a GPU (``environment.gpu`` names one, not ``CPU (...)``)."""
     gpu = (result.get("environment") or {}).get("gpu")
     return isinstance(gpu, str) and bool(gpu) and not gpu.upper().startswith("CPU")
-
-
-def newest_bench_result(kind: str = "train", results_dir=None, gpu_only: bool = True) -> dict:
-    """The newest ``<kind>_*.json`` in ``results_dir`` (default: benchmarks/results/ of the repository)
-    by its recorded ``environment.date``, recorded on a GPU unless ``gpu_only`` is False.
-
-    The dict gets a ``_path`` entry naming the file, so a notebook can say where its numbers came from.
-    """
-    import json
-    from pathlib import Path
-
-    folder = Path(results_dir) if results_dir is not None else \
-        Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-    found = []
-    for p in sorted(folder.glob(f"{kind}_*.json")):
-        result = json.loads(p.read_text())
-        if not gpu_only or is_gpu_result(result):
-            found.append((str(result.get("environment", {}).get("date", "")), p.name, p, result))
-    if not found:
-        what = "GPU " if gpu_only else ""
-        raise FileNotFoundError(f"no {what}{kind}_*.json in {folder}; run `python -m mpgpt.bench {kind}` on a GPU "
-                                "or clone the course repository, which carries recorded results")
-    *_, path, result = max(found, key=lambda f: f[:2])
-    result["_path"] = str(path)
-    return result
 
 
 def ladder_rows(result: dict, order=TRAIN_LADDER) -> list[dict]:

@@ -35,7 +35,9 @@ RECORDS = {
     "train-h200-rerun": "the ladder's scaler rows re-measured after the sync-free scaler (chapter 7)",
     "scaler-overhead-cpu": "DynamicLossScaler against torch.amp.GradScaler, step time on 2 CPU cores (chapter 5)",
     "scaler-overhead-h200": "DynamicLossScaler against torch.amp.GradScaler, step time on an H200 (chapter 5)",
+    "train-h200-variants": "further training configurations, one recording per run, each with its environment (chapter 7)",
     "ddp-h200x2": "DDP and FSDP2 on 1 and 2 H200s: tokens/s and scaling efficiency (chapter 8)",
+    "ddp-h200x2-variants": "DDP bucket sizes and compiled graphs on 2 H200s, one recording per run (chapter 8)",
 }
 
 

@@ -40,6 +40,10 @@ Design points the chapters explain:
   fp16-gradscaler). The gradients are still unscaled by us first, in one pass, so that clipping
   sees true gradients.
 
+Two more classes speak the same protocol, so the trainer never asks which kind it holds:
+:class:`NullScaler` (no scaling, no check: fp32 and bf16 runs) and :class:`GradScalerAdapter`
+(``torch.amp.GradScaler`` itself, for comparisons). :func:`make_scaler` picks one by name.
+
 Errors use GradScaler's messages (so search results for them apply), followed by what to do.
 Where GradScaler raises ``AssertionError`` (step or update with nothing recorded) we raise
 ``RuntimeError`` with the same text: these are usage errors, not internal assertions.
@@ -53,7 +57,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["BaseLossScaler", "StaticLossScaler", "DynamicLossScaler"]
+__all__ = ["BaseLossScaler", "StaticLossScaler", "DynamicLossScaler", "NullScaler", "GradScalerAdapter",
+           "SCALERS", "make_scaler"]
 
 _FP32_MAX = torch.finfo(torch.float32).max
 
@@ -477,3 +482,92 @@ def _check_scale_value(name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= _FP32_MAX):
         raise ValueError(f"{name} must be a positive number representable in fp32 (got {value!r}); "
                          "use a power of two such as 2.**16")
+
+
+class NullScaler:
+    """The scaler protocol with no scaling and no overflow check: every step is taken (fp32, bf16)."""
+
+    last_step_skipped = False
+    last_found_inf = 0.0
+
+    def scale(self, loss):
+        return loss
+
+    def unscale_(self, optimizer):
+        pass
+
+    def step(self, optimizer, *args, **kwargs):
+        return optimizer.step(*args, **kwargs)
+
+    def update(self):
+        pass
+
+    def get_scale(self) -> float:
+        return 1.0
+
+    def scale_tensor(self) -> float:
+        return 1.0
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class GradScalerAdapter:
+    """``torch.amp.GradScaler`` behind the same protocol, to compare our scalers with PyTorch's.
+
+    ``last_step_skipped`` is not tracked: reading it would add the host sync that GradScaler avoids.
+    ``last_found_inf`` is therefore always 0, so a History of a run with this adapter records no skips.
+    """
+
+    def __init__(self, device):
+        self.inner = torch.amp.GradScaler(torch.device(device).type)
+        self.last_step_skipped = False
+        self.last_found_inf = 0.0
+
+    def scale(self, loss):
+        return self.inner.scale(loss)
+
+    def unscale_(self, optimizer):
+        self.inner.unscale_(optimizer)
+
+    def step(self, optimizer, *args, **kwargs):
+        return self.inner.step(optimizer, *args, **kwargs)
+
+    def update(self):
+        self.inner.update()
+
+    def get_scale(self) -> float:
+        return self.inner.get_scale()
+
+    def scale_tensor(self):
+        return self.inner.get_scale()
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.inner.load_state_dict(state)
+
+
+# The names a training config may use (mpgpt.trainer.TrainConfig.scaler, --scaler on the command line).
+SCALERS = ("auto", "dynamic", "static", "gradscaler", "none")
+
+
+def make_scaler(kind: str, policy, device, *, static_scale: float = 2.0 ** 10, init_scale: float = 2.0 ** 16,
+                growth_interval: int = 2000, hysteresis: int = 1):
+    """The loss scaler for a run. ``kind`` is one of SCALERS; "auto" means dynamic scaling for the
+    policies that need it (``policy.loss_scaling``: the fp16 ones) and none for the others."""
+    if kind not in SCALERS:
+        raise ValueError(f"unknown scaler {kind!r}; choose one of {', '.join(SCALERS)}")
+    if kind == "auto":
+        kind = "dynamic" if policy.loss_scaling else "none"
+    if kind == "none":
+        return NullScaler()
+    if kind == "static":
+        return StaticLossScaler(static_scale)
+    if kind == "gradscaler":
+        return GradScalerAdapter(device)
+    return DynamicLossScaler(init_scale=init_scale, growth_interval=growth_interval, hysteresis=hysteresis)

@@ -23,15 +23,15 @@ def _history(n=20, n_val=3):
     return History(step=list(range(n)), loss=losses, val_step=val_steps, val_loss=torch.rand(n_val).add(1).tolist())
 
 
-def test_smooth_is_a_trailing_mean():
+def test_moving_average_is_a_trailing_mean():
     values = torch.rand(50).tolist()
-    out = plots._smooth(values, 5)
+    out = plots.moving_average(values, 5)
     assert len(out) == len(values)
     assert out[0] == pytest.approx(values[0])
     assert out[2] == pytest.approx(sum(values[:3]) / 3)
     for i in range(4, 50):
         assert out[i] == pytest.approx(sum(values[i - 4 : i + 1]) / 5)
-    assert plots._smooth(values, 1) == values
+    assert plots.moving_average(values, 1) == values
 
 
 def test_loss_curves_draws_runs_validation_and_floors():
@@ -56,7 +56,7 @@ def test_loss_curves_smoothing_and_existing_axes():
     assert not left.get_lines()
     raw, smoothed = right.get_lines()[:2]
     assert list(raw.get_ydata()) == h.loss
-    assert list(smoothed.get_ydata()) == pytest.approx(plots._smooth(h.loss, 10))
+    assert list(smoothed.get_ydata()) == pytest.approx(plots.moving_average(h.loss, 10))
     assert right.get_yscale() == "log"
 
 

@@ -1,6 +1,5 @@
-"""Chapter 7's helpers in mpgpt/plots.py: finding the newest GPU training result, the ladder order,
+"""Chapter 7's helpers in mpgpt/plots.py: the ladder order,
 and the figures drawn from a `python -m mpgpt.bench train` result file."""
-import json
 import random
 
 import matplotlib
@@ -23,44 +22,11 @@ def _result(gpu, date, rows=None, **extra):
     return {"environment": {"gpu": gpu, "date": date, "torch": "2.x"}, "rows": rows or [_row("bf16")], **extra}
 
 
-def _write(folder, name, result):
-    (folder / name).write_text(json.dumps(result))
-
-
-def test_newest_gpu_result_is_chosen_by_recorded_date_not_file_name(tmp_path):
-    _write(tmp_path, "train_zzz_2026-01-01.json", _result("NVIDIA H200", "2026-01-01T00:00:00+00:00"))
-    _write(tmp_path, "train_aaa_2027-05-02.json", _result("NVIDIA H100 80GB HBM3", "2027-05-02T10:00:00+00:00"))
-    _write(tmp_path, "train_cpu_2028-01-01.json", _result("CPU (x86_64)", "2028-01-01T00:00:00+00:00"))
-    _write(tmp_path, "kernels_h200_2029-01-01.json", _result("NVIDIA H200", "2029-01-01T00:00:00+00:00"))
-    got = plots.newest_bench_result("train", tmp_path)
-    assert got["environment"]["gpu"] == "NVIDIA H100 80GB HBM3"
-    assert got["_path"].endswith("train_aaa_2027-05-02.json")
-    # a CPU file is newest overall, and is what gpu_only=False returns
-    assert plots.newest_bench_result("train", tmp_path, gpu_only=False)["environment"]["gpu"].startswith("CPU")
-    assert plots.newest_bench_result("kernels", tmp_path)["_path"].endswith("kernels_h200_2029-01-01.json")
-
-
-def test_no_gpu_result_raises_a_clear_error(tmp_path):
-    _write(tmp_path, "train_cpu.json", _result("CPU (x86_64)", "2026-01-01"))
-    _write(tmp_path, "train_none.json", _result(None, "2026-01-02"))
-    with pytest.raises(FileNotFoundError, match="mpgpt.bench train"):
-        plots.newest_bench_result("train", tmp_path)
-    with pytest.raises(FileNotFoundError, match="no GPU train_"):
-        plots.newest_bench_result("train", tmp_path / "missing")
-
-
 def test_is_gpu_result():
     assert plots.is_gpu_result({"environment": {"gpu": "NVIDIA H200"}})
     for gpu in (None, "", "CPU (x86_64)", "cpu"):
         assert not plots.is_gpu_result({"environment": {"gpu": gpu}})
     assert not plots.is_gpu_result({})
-
-
-def test_committed_training_result_is_a_gpu_ladder():
-    result = plots.newest_bench_result("train")
-    assert plots.is_gpu_result(result)
-    names = [r["config"] for r in plots.ladder_rows(result)]
-    assert names[:2] == ["fp32", "tf32"], names  # the ladder starts at the bottom rung
 
 
 def test_ladder_rows_orders_by_ladder_then_file_and_drops_errors():
@@ -120,13 +86,33 @@ def test_plot_real_run_draws_every_tenth_step_and_the_floor():
         plots.plot_real_run(_result("NVIDIA H200", "2026-11-30"))
 
 
-def test_bench_kernels_subcommand_passes_its_options_through(tmp_path, capsys, monkeypatch):
-    # `python -m mpgpt.bench kernels --out-dir DIR` once reached the kernel benchmark with its
-    # option and value reordered (an argparse error). Now they arrive intact and in order.
-    from mpgpt import bench
-    from mpgpt.kernels import bench as kbench
+def test_recorded_training_result_is_a_gpu_ladder():
+    from mpgpt.results import load_record
 
-    seen = {}
-    monkeypatch.setattr(kbench, "main", lambda argv: seen.setdefault("argv", argv) and 0)
-    assert bench.main(["kernels", "--out-dir", str(tmp_path), "--tag", "x"]) == 0
-    assert seen["argv"] == ["--out-dir", str(tmp_path), "--tag", "x"]
+    result = load_record("train-h200")
+    assert plots.is_gpu_result(result)
+    names = [r["config"] for r in plots.ladder_rows(result)]
+    assert names[:2] == ["fp32", "tf32"], names  # the ladder starts at the bottom rung
+
+
+def test_bench_subcommands_pass_their_options_through(monkeypatch):
+    # `python -m mpgpt.bench kernels --out-dir DIR` once reached the kernel benchmark with its
+    # option and value reordered (an argparse error). Every subcommand now gets its argv intact.
+    import importlib
+
+    from mpgpt.bench.__main__ import COMMANDS, main
+
+    for name, module in COMMANDS.items():
+        seen = {}
+        mod = importlib.import_module(module)
+        monkeypatch.setattr(mod, "main", lambda argv, seen=seen: seen.setdefault("argv", argv) and 0)
+        assert main([name, "--out-dir", "x y", "--tag", "t"]) == 0
+        assert seen["argv"] == ["--out-dir", "x y", "--tag", "t"]
+
+
+def test_bench_refuses_an_unknown_subcommand(capsys):
+    from mpgpt.bench.__main__ import main
+
+    assert main(["trian"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'trian'" in err and "train, kernels, ddp" in err

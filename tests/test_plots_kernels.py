@@ -3,7 +3,6 @@
 The figures must show the numbers in the result file, not typed ones: the tests build a small
 result with random values and read them back out of the drawn artists.
 """
-import json
 import math
 import random
 
@@ -44,37 +43,6 @@ def test_arithmetic_intensity_formula_and_known_values():
     # A square n^3 matmul in bf16 does n/3 FLOP per byte; a matrix-vector product about 1.
     assert plots.arithmetic_intensity(3000, 3000, 3000) == pytest.approx(1000)
     assert plots.arithmetic_intensity(1, 4096, 4096) == pytest.approx(1.0, abs=1e-3)
-
-
-def test_load_kernel_results_picks_the_newest_by_recorded_date(tmp_path):
-    old, new = fake_results(date="2025-12-31T23:00:00+00:00"), fake_results(date="2026-03-01T00:00:00+00:00")
-    # File names sort the other way round from the dates: the date inside must decide.
-    (tmp_path / "kernels_z_old.json").write_text(json.dumps(old))
-    (tmp_path / "kernels_a_new.json").write_text(json.dumps(new))
-    (tmp_path / "train_x.json").write_text("{}")  # not a kernel result: ignored
-    got = plots.load_kernel_results(results_dir=tmp_path)
-    assert got["environment"]["date"] == new["environment"]["date"]
-    assert got["_path"].endswith("kernels_a_new.json")
-    assert plots.load_kernel_results(tmp_path / "kernels_z_old.json")["matmul"] == old["matmul"]
-
-
-def test_load_kernel_results_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="mpgpt.bench kernels"):
-        plots.load_kernel_results(results_dir=tmp_path)
-    bad = tmp_path / "kernels_bad.json"
-    bad.write_text(json.dumps({"environment": {}}))
-    with pytest.raises(ValueError, match="not a kernel benchmark result"):
-        plots.load_kernel_results(bad)
-
-
-def test_recorded_results_in_the_repository_load():
-    """The chapter reads the committed H200 file: it must parse and name its GPU and versions."""
-    results = plots.load_kernel_results()
-    text = plots.describe_environment(results)
-    env = results["environment"]
-    for key in ("gpu", "driver", "cuda", "torch", "triton"):
-        assert str(env[key]) in text
-    assert all(r["cublas_tflops"] > 0 for r in results["matmul"])
 
 
 def test_tflops_bars_show_the_file_values():

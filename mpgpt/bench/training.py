@@ -1,81 +1,30 @@
-"""Benchmarks that print a table and write a versioned JSON result file (chapters 6 and 7).
+"""Training throughput: ``python -m mpgpt.bench train`` (chapters 3, 5 and 7).
 
-    python -m mpgpt.bench train     # GPT-2-small training throughput across precisions
-    python -m mpgpt.bench kernels   # Triton matmul against cuBLAS (mpgpt.kernels.bench)
-
-Every result file under ``benchmarks/results/`` records the GPU, driver, CUDA, torch and triton
-versions, the date and the exact command, so a number in the book can always be traced to the
-hardware and software that produced it.
-
-Training throughput is measured on synthetic tokens (random ids, never zeros) with the real
-trainer step (``mpgpt.train.Trainer.train_step``): the median step time over ``--steps`` timed steps
-after ``--warmup`` steps. MFU = flops_per_token × tokens/s ÷ peak, with flops_per_token from
-``GPT.flops_per_token`` (6N + 12·L·H·Q·T, PaLM appendix B) and peak the GPU's dense bf16 rate.
+Throughput is measured on synthetic tokens (random ids, never zeros) with the real trainer step
+(``mpgpt.trainer.Trainer.train_step``): the median step time over ``--steps`` timed steps after
+``--warmup`` steps. MFU = flops_per_token × tokens/s ÷ peak, with flops_per_token from
+``GPT.flops_per_token`` (6N + 12·L·H·Q·T, PaLM appendix B) and peak the GPU's dense bf16 rate
+(mpgpt.model.PEAK_BF16). Each configuration in TRAIN_CONFIGS is a TrainConfig plus model options;
+nothing is patched into the trainer after it is built.
 """
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
-import platform
-import re
-import shlex
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-__all__ = ["environment", "write_result", "bench_train", "main", "TRAIN_CONFIGS"]
+from mpgpt.data import TextDataset, default_corpus
+from mpgpt.model import GPT, PEAK_BF16, GPTConfig, mfu, peak_flops
+from mpgpt.results import write_result
+from mpgpt.trainer import Trainer, TrainConfig
 
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+__all__ = ["TRAIN_CONFIGS", "SyntheticTokens", "make_trainer", "bench_train", "real_run", "largest_batch", "main"]
 
-
-def environment(command: str | None = None) -> dict:
-    """GPU, driver, CUDA, torch and triton versions, the date and the command, for a result file."""
-    if command is None:
-        command = ("python -m mpgpt.bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-                   if sys.argv and sys.argv[0].endswith("bench.py") else " ".join(shlex.quote(a) for a in sys.argv))
-    env = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": command,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "gpu": None, "gpu_count": 0, "driver": None, "capability": None,
-    }
-    try:
-        import triton
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(0)
-        env["gpu_count"] = torch.cuda.device_count()
-        env["capability"] = "sm_%d%d" % torch.cuda.get_device_capability(0)
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=20)
-            env["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
-        except (OSError, subprocess.SubprocessError, IndexError):
-            env["driver"] = None
-    else:
-        env["gpu"] = f"CPU ({platform.processor() or platform.machine()})"
-    return env
-
-
-def write_result(kind: str, payload: dict, out_dir=None) -> Path:
-    """Write ``{environment, **payload}`` to ``<out_dir>/<kind>_<gpu>_<date>.json`` and return the path."""
-    env = environment()
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", env["gpu"] or "cpu").strip("-").lower()
-    day = env["date"][:10]
-    out = Path(out_dir) if out_dir else RESULTS_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{kind}_{slug}_{day}.json"
-    path.write_text(json.dumps({"environment": env, **payload}, indent=2) + "\n")
-    return path
+# One fixed yardstick for the mfu_vs_989T column: the H100/H200 dense bf16 peak, whatever GPU ran.
+REFERENCE_PEAK = PEAK_BF16["H200"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -93,14 +42,14 @@ TRAIN_CONFIGS = {
     "fp32": _config("fp32"),
     "tf32": _config("tf32"),
     "fp16": _config("fp16", "dynamic"),
-    "fp16-gradscaler": _config("fp16", "torch"),
+    "fp16-gradscaler": _config("fp16", "gradscaler"),
     "bf16": _config("bf16"),
     "bf16-nobias": _config("bf16", bias=False),
     # nanoGPT's bench.py step exactly: no biases and no gradient clipping.
     "bf16-nobias-noclip": _config("bf16", bias=False, clip=False),
     "bf16+checkpointing": _config("bf16", checkpointing=True),
     "fp16+compile": _config("fp16", "dynamic", compile="default"),
-    "fp16-gradscaler+compile": _config("fp16", "torch", compile="default"),
+    "fp16-gradscaler+compile": _config("fp16", "gradscaler", compile="default"),
     "bf16+compile": _config("bf16", compile="default"),
     "bf16+compile-nobias": _config("bf16", compile="default", bias=False),
     "bf16+compile+cudagraphs": _config("bf16", compile="reduce-overhead"),
@@ -115,7 +64,7 @@ TRAIN_CONFIGS = {
 }
 
 
-class _SyntheticTokens:
+class SyntheticTokens:
     """Random token batches already on the device, rotated so no step re-reads the same batch."""
 
     class _Tok:
@@ -135,61 +84,28 @@ class _SyntheticTokens:
         return self.batches[self.i]
 
 
-def _make_trainer(name, preset, batch_size, block_size, device, checkpointing=False):
-    from mpgpt.model import GPT, GPTConfig
-    from mpgpt.train import TrainConfig, Trainer
-
+def make_trainer(name, preset="gpt2", batch_size=12, block_size=None, device="cuda", checkpointing=False,
+                 dataset=None, **config):
+    """The trainer for TRAIN_CONFIGS[name] on synthetic tokens (or ``dataset``); ``config`` overrides
+    TrainConfig fields (e.g. fsdp=True)."""
     spec = TRAIN_CONFIGS[name]
-    cfg = TrainConfig(preset=preset, precision=spec["precision"],
-                      scaler="dynamic" if spec["scaler"] == "torch" else spec["scaler"],
-                      batch_size=batch_size, block_size=block_size, compile=False, device=str(device),
-                      progress=False, sample_tokens=0, steps=10**9, warmup_steps=10, lr=6e-4,
-                      grad_clip=1.0 if spec["clip"] else 0.0)
+    fields = dict(preset=preset, precision=spec["precision"], scaler=spec["scaler"],
+                  batch_size=batch_size, block_size=block_size, device=str(device),
+                  compile=spec["compile"] is not None, compile_mode=spec["compile"] or "default",
+                  progress=False, sample_tokens=0, steps=10**9, warmup_steps=10, lr=6e-4,
+                  grad_clip=1.0 if spec["clip"] else 0.0)
+    cfg = TrainConfig(**{**fields, **config})
     overrides = {"block_size": block_size} if block_size else {}
     model = GPT(GPTConfig.preset(preset, bias=spec["bias"], attention=spec["attention"], **overrides))
-    data = _SyntheticTokens(model.config.vocab_size, batch_size, model.config.block_size, device)
-    trainer = Trainer(cfg, model=model, dataset=data)
-    if spec["scaler"] == "torch":
-        trainer.scaler = _GradScalerAdapter(device)
     if spec["triton"]:
-        trainer.model.use_triton(True)
+        model.use_triton(True)
     if checkpointing or spec["checkpointing"]:
-        trainer.model.set_activation_checkpointing(True)
+        model.set_activation_checkpointing(True)
     if spec["chunked_loss"]:
-        trainer.model.set_chunked_loss(spec["chunked_loss"])
-    if spec["compile"]:
-        trainer.forward = torch.compile(trainer.model, mode=spec["compile"])
-    return trainer
-
-
-class _GradScalerAdapter:
-    """torch.amp.GradScaler behind the interface our trainer uses, for the overhead comparison."""
-
-    def __init__(self, device):
-        self.inner = torch.amp.GradScaler(torch.device(device).type)
-        self.last_step_skipped = False  # not tracked: reading it would add a sync GradScaler avoids
-        self.last_found_inf = 0.0
-
-    def scale(self, loss):
-        return self.inner.scale(loss)
-
-    def unscale_(self, optimizer):
-        self.inner.unscale_(optimizer)
-
-    def step(self, optimizer):
-        return self.inner.step(optimizer)
-
-    def update(self):
-        self.inner.update()
-
-    def get_scale(self):
-        return self.inner.get_scale()
-
-    def scale_tensor(self):
-        return self.inner.get_scale()
-
-    def state_dict(self):
-        return self.inner.state_dict()
+        model.set_chunked_loss(spec["chunked_loss"])
+    data = dataset if dataset is not None else SyntheticTokens(model.config.vocab_size, batch_size,
+                                                               model.config.block_size, device)
+    return Trainer(cfg, model=model, dataset=data)
 
 
 def _time_steps(trainer, warmup, steps) -> list[float]:
@@ -231,8 +147,6 @@ def profile_steps(trainer, steps=5, row_limit=30) -> str:
 def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10, steps=30,
                 checkpointing=False, profile=None) -> list[dict]:
     """Measure each named configuration; return one row per configuration."""
-    from mpgpt.train import peak_flops
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     for name in names:
@@ -243,7 +157,7 @@ def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10,
             torch.cuda.reset_peak_memory_stats()
         row = {"config": name, "preset": preset, "batch_size": batch_size, "activation_checkpointing": checkpointing}
         try:
-            trainer = _make_trainer(name, preset, batch_size, block_size, device, checkpointing)
+            trainer = make_trainer(name, preset, batch_size, block_size, device, checkpointing)
             t0 = time.perf_counter()
             times = _time_steps(trainer, warmup, steps)
             row["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -266,8 +180,9 @@ def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10,
             "block_size": trainer.block_size, "tokens_per_step": tokens,
             "ms_per_step_median": round(ms, 3), "ms_per_step_min": round(min(times), 3),
             "ms_per_step_max": round(max(times), 3), "tokens_per_s": round(tps),
-            "flops_per_token": flops, "mfu_vs_989T": round(flops * tps / 989e12, 4) if device.type == "cuda" else None,
-            "mfu_vs_datasheet_peak": round(flops * tps / peak, 4) if peak else None,
+            "flops_per_token": flops,
+            "mfu_vs_989T": round(mfu(flops, tps, REFERENCE_PEAK), 4) if device.type == "cuda" else None,
+            "mfu_vs_datasheet_peak": round(mfu(flops, tps, peak), 4) if peak else None,
             "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
             "skipped_steps": None,
             "timed_steps": steps, "warmup_steps": warmup,
@@ -289,13 +204,9 @@ def real_run(name, preset="gpt2", batch_size=12, steps=150) -> dict:
     Throughput runs use random tokens, which teach nothing; this checks that the fastest
     configuration is also a working trainer on real text.
     """
-    from mpgpt.data import TextDataset, default_corpus
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    trainer = _make_trainer(name, preset, batch_size, None, device)
-    trainer.data = TextDataset(default_corpus())
-    trainer.cfg.steps = steps
-    trainer.cfg.warmup_steps = 20
+    trainer = make_trainer(name, preset, batch_size, None, device, dataset=TextDataset(default_corpus()),
+                           steps=steps, warmup_steps=20)
     losses = [trainer.train_step()[0] for _ in range(steps)]
     losses = torch.stack(losses).tolist()
     result = {"config": name, "preset": preset, "batch_size": batch_size, "steps": steps,
@@ -330,14 +241,8 @@ def _print_table(rows):
               f"{r['tokens_per_s']:>9,} | {mfu:>6} | {r['peak_memory_gib']}")
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["kernels"]:  # handed over whole: argparse's REMAINDER reorders "--opt value" pairs
-        from mpgpt.kernels import bench as kbench
-        return kbench.main(argv[1:]) or 0
-    parser = argparse.ArgumentParser(prog="python -m mpgpt.bench", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="what", required=True)
-    t = sub.add_parser("train", help="training throughput across precisions")
+def build_parser(prog="python -m mpgpt.bench train") -> argparse.ArgumentParser:
+    t = argparse.ArgumentParser(prog=prog, description="Training throughput of GPT-2 small across precisions.")
     t.add_argument("--preset", default="gpt2")
     t.add_argument("--batch-size", type=int, default=12)
     t.add_argument("--block-size", type=int, default=None)
@@ -350,12 +255,19 @@ def main(argv=None) -> int:
     t.add_argument("--real-run-config", default=None, help="also train this config on the embedded corpus")
     t.add_argument("--real-steps", type=int, default=150)
     t.add_argument("--profile", default=None, help="also print a torch.profiler table for this config")
-    t.add_argument("--out-dir", default=None, help="where the JSON goes (default benchmarks/results)")
-    t.add_argument("--tag", default="train", help="file name prefix of the result file")
-    k = sub.add_parser("kernels", help="Triton matmul against cuBLAS", add_help=False)
-    k.add_argument("rest", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    t.add_argument("--out-dir", default=".", help="where the JSON result goes (default: the current folder)")
+    t.add_argument("--tag", default=None, help="appended to the file name, so two runs on one day both stay")
+    return t
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in TRAIN_CONFIGS]
+    if unknown:
+        print(f"python -m mpgpt.bench train: error: unknown configuration {unknown[0]!r}; "
+              f"choose from {', '.join(TRAIN_CONFIGS)}", file=sys.stderr)
+        return 2
     rows = bench_train(names, args.preset, args.batch_size, args.block_size, args.warmup, args.steps,
                        args.activation_checkpointing, args.profile)
     payload = {"benchmark": "train", "rows": rows}
@@ -365,10 +277,6 @@ def main(argv=None) -> int:
     _print_table(rows)
     if args.real_run_config:
         payload["real_run"] = real_run(args.real_run_config, args.preset, args.batch_size, args.real_steps)
-    path = write_result(args.tag, payload, args.out_dir)
+    path = write_result("train", payload, args.out_dir, tag=args.tag)
     print(f"\nwrote {path}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The package's modules form layers: each imports only from the layers below it, and nothing imports
+in a cycle. A learner can then read mpgpt bottom-up, one module at a time.
+
+The test reads every module's import statements (it does not import anything) and checks three rules:
+
+1. the graph of all imports between mpgpt modules has no cycle;
+2. a module-level import goes to a strictly lower layer, or within the module's own package
+   (mpgpt.kernels.* among themselves, mpgpt.bench.* among themselves);
+3. an import inside a function is allowed only across an optional boundary (model -> kernels,
+   where Triton may be missing); any other one would hide a cycle or an upward dependency.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mpgpt"
+
+# module (or package) -> layer; lower layers know nothing of higher ones.
+LAYERS = {
+    "formats": 0, "data": 0, "precision": 0, "checkpoint": 0, "fused_loss": 0, "scaling": 0, "results": 0,
+    "model": 1,
+    "kernels": 2,
+    "trainer": 3,
+    "distributed": 4,
+    "train": 5,
+    "bench": 6, "plots": 6,
+}
+# function-level imports that cross an optional dependency: (importer, imported) by layer name
+OPTIONAL_BOUNDARIES = {("model", "kernels")}
+
+
+def unit_of(module: str) -> str:
+    """'mpgpt.kernels.matmul' -> 'kernels'; 'mpgpt' -> ''."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imports_of(path: Path, module: str):
+    """(imported mpgpt module, line, at module level?) for every import in the file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = []
+
+    def visit(node, top):
+        for child in ast.iter_child_nodes(node):
+            inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                found.extend([(a.name, child.lineno, top) for a in child.names if a.name.split(".")[0] == "mpgpt"])
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:  # relative: resolve against this module's package
+                    base = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    target = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    target = child.module or ""
+                if target.split(".")[0] == "mpgpt":
+                    if target == "mpgpt":  # from mpgpt import formats, ...
+                        found.extend([(f"mpgpt.{a.name}", child.lineno, top) for a in child.names])
+                    else:
+                        found.append((target, child.lineno, top))
+            visit(child, inner)
+
+    visit(tree, True)
+    return found
+
+
+def graph():
+    edges = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = module_name(path)
+        edges[module] = (path, imports_of(path, module))
+    return edges
+
+
+def problems(edges) -> list[str]:
+    found = []
+    for module, (path, imports) in edges.items():
+        here = unit_of(module)
+        if here and here not in LAYERS:
+            found.append(f"{module}: not in the layer table of tests/test_layering.py")
+            continue
+        for target, line, top in imports:
+            there = unit_of(target)
+            if not here or not there or there not in LAYERS:
+                continue
+            where = f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}"
+            if here == there:
+                continue  # within one package
+            if top and LAYERS[there] >= LAYERS[here]:
+                found.append(f"{where}: layer {LAYERS[there]} from layer {LAYERS[here]} (upward or sideways)")
+            if not top and (here, there) not in OPTIONAL_BOUNDARIES:
+                found.append(f"{where} inside a function: move it to the top, or it hides a layering problem")
+    # cycles over every import, module-level or not, between whole units
+    units = {}
+    for module, (_, imports) in edges.items():
+        for target, _, _ in imports:
+            a, b = unit_of(module), unit_of(target)
+            if a and b and a != b:
+                units.setdefault(a, set()).add(b)
+    state = {}
+
+    def dfs(node, stack):
+        state[node] = "open"
+        for nxt in sorted(units.get(node, ())):
+            if state.get(nxt) == "open":
+                found.append("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                dfs(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for unit in sorted(units):
+        if unit not in state:
+            dfs(unit, [unit])
+    return found
+
+
+def test_the_package_is_layered_without_cycles():
+    found = problems(graph())
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("planted", ["cycle", "upward", "hidden"])
+def test_the_check_catches_a_planted_problem(planted):
+    edges = dict(graph())
+    fake = PACKAGE / "precision.py"
+    if planted == "cycle":      # a leaf that imports the trainer, which imports it: upward and a cycle
+        edges["mpgpt.precision"] = (fake, edges["mpgpt.precision"][1] + [("mpgpt.trainer", 1, True)])
+        expected = ["layer 3 from layer 0", "import cycle"]
+    elif planted == "upward":   # the model reaching up to the trainer
+        edges["mpgpt.model"] = (fake, edges["mpgpt.model"][1] + [("mpgpt.trainer", 1, True)])
+        expected = ["layer 3 from layer 1"]
+    else:                       # the same, hidden inside a function
+        edges["mpgpt.scaling"] = (fake, edges["mpgpt.scaling"][1] + [("mpgpt.train", 1, False)])
+        expected = ["inside a function"]
+    found = "\n".join(problems(edges))
+    for text in expected:
+        assert text in found, found

@@ -1,0 +1,77 @@
+"""mpgpt.results: the curated records the book reads, and result files of new runs.
+
+The records ship inside the package, so these tests read them through the package (as a wheel
+install would: tests/test_fresh_install.py repeats the load from a wheel in a fresh venv).
+"""
+import json
+import os
+
+import pytest
+
+from mpgpt import results
+
+
+@pytest.mark.parametrize("name", sorted(results.RECORDS))
+def test_every_curated_record_loads_with_its_environment(name):
+    record = results.load_record(name)
+    env = record["environment"]
+    for key in ("date", "command", "commit", "torch"):
+        assert env.get(key), f"{name}: environment.{key} is missing"
+    assert len(env["commit"]) == 40 and int(env["commit"], 16) >= 0
+    assert env["record"] == name
+    # no machine-local path in what the book prints as the command
+    assert "/root" not in env["command"] and "/work" not in env["command"]
+    line = results.describe(record)
+    assert env["date"][:10] in line and env["torch"] in line
+
+
+def test_records_hold_what_the_chapters_read():
+    assert results.load_record("kernels-h200")["matmul"]
+    assert {r["config"] for r in results.load_record("train-h200")["rows"]} >= {"fp32", "bf16", "bf16+compile"}
+    assert results.load_record("ddp-h200x2")["rows"]
+    assert results.load_record("scaler-overhead-cpu")["median_ms"]
+    for name in ("kernels-h200", "train-h200", "ddp-h200x2", "scaler-overhead-h200"):
+        assert "H200" in results.describe(results.load_record(name))
+
+
+def test_unknown_record_names_the_ones_there_are():
+    with pytest.raises(KeyError, match="kernels-h200"):
+        results.load_record("kernels")
+
+
+def test_write_result_goes_to_the_current_folder_whole(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = results.write_result("train", {"rows": [{"config": "fp32", "tokens_per_s": 7}]}, tag="mine")
+    assert path.parent == tmp_path
+    assert path.name.startswith("train_") and path.name.endswith("_mine.json")
+    assert os.listdir(tmp_path) == [path.name]  # no temporary file left beside it
+    back = results.load_result(path)
+    assert back["rows"] == [{"config": "fp32", "tokens_per_s": 7}]
+    assert back["environment"]["torch"] and back["environment"]["date"]
+
+
+def test_write_result_refuses_names_that_are_not_file_names(tmp_path):
+    for kind, tag in [("../x", None), ("train", "a/b"), ("", None)]:
+        with pytest.raises(ValueError, match="letters, digits"):
+            results.write_result(kind, {}, tmp_path, tag=tag)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_result_refuses_a_file_that_is_no_result(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match="not an mpgpt result"):
+        results.load_result(bad)
+
+
+def test_nothing_in_the_package_reads_the_repository_tree():
+    # Recorded results come from the package's own records/ folder; a path built from the package's
+    # parent folder (a checkout's benchmarks/) breaks after a pip install.
+    from pathlib import Path
+
+    import mpgpt
+
+    root = Path(mpgpt.__file__).parent
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                 if "benchmarks" in p.read_text(encoding="utf-8") and "parent.parent" in p.read_text(encoding="utf-8")]
+    assert not offenders, offenders
