@@ -1,6 +1,6 @@
 """Which variant of the persistent TMA kernel is fastest on the GPU, shape by shape?
 
-Times `_matmul_kernel_tma` launched directly (no autotuner, no wrapper) with one configuration at a
+Times `mpgpt.kernels.tma.matmul_kernel_tma` launched directly (no autotuner, no wrapper) with one configuration at a
 time, as CUDA-graph replays (`triton.testing.do_bench_cudagraph`: GPU time only, no host time),
 against cuBLAS timed the same way, at the GPT-2-small shapes. Each variant is a tile configuration
 combined with:
@@ -62,13 +62,13 @@ def _tensors(M, K, N, flags):
 
 def _launch(v, a, w, bias, c, z, flags, num_sms):
     import triton
-    from mpgpt.kernels.matmul import _matmul_kernel_tma, _set_tma_allocator
+    from mpgpt.kernels.tma import matmul_kernel_tma, set_allocator
     M, K = a.shape
     N = w.shape[0]
     bm, bn, bk, stages, warps = v["tile"]
-    _set_tma_allocator()
+    set_allocator()
     grid = (min(num_sms * v["PPS"], triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
-    _matmul_kernel_tma[grid](a, w, c, bias, z, M, N, K, a.stride(0), w.stride(0), c.stride(0), 1, z.stride(0), 1,
+    matmul_kernel_tma[grid](a, w, c, bias, z, M, N, K, a.stride(0), w.stride(0), c.stride(0), 1, z.stride(0), 1,
                              A_T=False, B_T=True, TMA_STORE_OK=True, TMA_STORE=v["TMA_STORE"], PPS=v["PPS"],
                              NUM_SMS=num_sms,
                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, EPILOGUE_SUBTILE=v["EPILOGUE_SUBTILE"],

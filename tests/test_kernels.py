@@ -13,16 +13,20 @@ index, a missed K-tile or an unwritten tile gives (~1). NaN never passes.
 """
 import importlib
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
 from mpgpt import kernels
-from mpgpt.kernels import TritonLinear, gelu_tanh_grad, matmul
-from mpgpt.kernels import _env
+from mpgpt.kernels import TritonLinear, env, gelu_tanh_grad, grouped, launch, matmul, plan, tma, ws
 
 mm = importlib.import_module("mpgpt.kernels.matmul")  # the module (the package re-exports the function)
 
@@ -55,6 +59,61 @@ def rand(*shape, dtype=torch.bfloat16, device=DEVICE):
     return torch.randn(*shape, device=device).to(dtype)
 
 
+class FakeCuda(torch.Tensor):
+    """A tensor that claims to live on cuda:0, with shape, strides, dtype and an address but no
+    memory: enough for matmul.plan, which only reads metadata, to plan for a GPU on a machine
+    without one. View ops (.t(), .view) are computed on the meta device; anything else raises."""
+
+    @staticmethod
+    def __new__(cls, shape, strides=None, dtype=torch.bfloat16, ptr=0, offset=0):
+        if strides is None:
+            strides = torch.empty(shape, device="meta").stride()
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, strides=strides, dtype=dtype, device="cuda:0",
+                                                storage_offset=offset)
+        t._ptr = ptr
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def data_ptr(self):
+        return self._ptr
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        fake = next(x for x in tree_leaves((args, kwargs)) if isinstance(x, FakeCuda))
+
+        def to_meta(x):
+            if not isinstance(x, FakeCuda):
+                return x
+            return torch.empty(0, dtype=x.dtype, device="meta").as_strided(x.shape, x.stride(), x.storage_offset())
+
+        def back(m):
+            if not isinstance(m, torch.Tensor):
+                return m
+            ptr = fake._ptr + (m.storage_offset() - fake.storage_offset()) * m.element_size()
+            return FakeCuda(m.shape, m.stride(), m.dtype, ptr, m.storage_offset())
+
+        return tree_map(back, func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs or {})))
+
+
+def fake_cuda(*shape, dtype=torch.bfloat16, ptr=0):
+    """A contiguous FakeCuda tensor; ptr: its address (ptr=2 is 2 bytes past an aligned one)."""
+    return FakeCuda(shape, dtype=dtype, ptr=ptr)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """fake_gpu(cc, sms=132): make mpgpt.kernels plan as on a GPU of compute capability cc,
+    by patching only the package's own view of the device (env.capability, env.num_sms,
+    env.interpreting); torch and Triton are untouched."""
+    def use(cc, sms=132):
+        monkeypatch.setattr(env, "interpreting", lambda: False)
+        monkeypatch.setattr(env, "capability", lambda device=None: cc)
+        monkeypatch.setattr(env, "num_sms", lambda device=None: sms)
+        monkeypatch.setattr(env, "device_name", lambda device=None: f"Fake sm_{cc[0]}{cc[1]}")
+    return use
+
+
 def test_compiled_launch_passes_arguments_in_parameter_order():
     """launch.compiled_launch: the remembered launch hands the new tensors, then every other
     argument in the kernel's parameter order (constexprs included, launch options such as
@@ -85,19 +144,29 @@ def test_tma_store_needs_aligned_row_major_outputs():
     """The TMA kernel stores through descriptors only where one can address the output:
     row-major, 16-byte-aligned base and row pitch, for c and (if given) z."""
     c = torch.empty(64, 64, dtype=torch.bfloat16)
-    assert mm._tma_store_ok(c, None) and mm._tma_store_ok(c, torch.empty_like(c))
-    assert not mm._tma_store_ok(c.t(), None)                                  # column-major
-    assert not mm._tma_store_ok(torch.empty(64, 72, dtype=torch.bfloat16)[:, 1:65], None)  # base off by 2 bytes
-    assert not mm._tma_store_ok(torch.empty(64, 68, dtype=torch.bfloat16)[:, :64], None)  # pitch 136 bytes
-    assert not mm._tma_store_ok(c, torch.empty(64, 72, dtype=torch.bfloat16)[:, 1:65])  # z misaligned
+    assert tma.store_ok(c, None) and tma.store_ok(c, torch.empty_like(c))
+    assert not tma.store_ok(c.t(), None)                                  # column-major
+    assert not tma.store_ok(torch.empty(64, 72, dtype=torch.bfloat16)[:, 1:65], None)  # base off by 2 bytes
+    assert not tma.store_ok(torch.empty(64, 68, dtype=torch.bfloat16)[:, :64], None)  # pitch 136 bytes
+    assert not tma.store_ok(c, torch.empty(64, 72, dtype=torch.bfloat16)[:, 1:65])  # z misaligned
 
 
-def test_lean_launch_switch(monkeypatch):
-    from mpgpt.kernels.launch import lean_launch_enabled
+def test_launch_switches_are_read_at_call_time(monkeypatch):
+    """MPGPT_LEAN_LAUNCH and MPGPT_AUTOTUNE take effect when set in a running process, and the
+    autotuning switch is part of the lean launch cache's key (a fixed-config launch is not
+    replayed for an autotuned call)."""
     monkeypatch.setenv("MPGPT_LEAN_LAUNCH", "0")
-    assert not lean_launch_enabled()
+    assert not launch.lean_launch_enabled()
     monkeypatch.setenv("MPGPT_LEAN_LAUNCH", "1")
-    assert lean_launch_enabled() == (_env.TRITON_IMPORT_ERROR is None)
+    assert launch.lean_launch_enabled() == (env.TRITON_IMPORT_ERROR is None)
+    monkeypatch.setenv("MPGPT_AUTOTUNE", "0")
+    assert not launch.autotune_enabled()
+    monkeypatch.setattr(env, "capability", lambda device=None: (9, 0))
+    a, b, c = fake_cuda(64, 32), fake_cuda(32, 48), fake_cuda(64, 48)
+    fixed = launch.signature(a, b, c, None, None, None, "auto", None)
+    monkeypatch.delenv("MPGPT_AUTOTUNE")
+    assert launch.autotune_enabled()
+    assert launch.signature(a, b, c, None, None, None, "auto", None) != fixed
 
 
 # ------------------------------------------------------------------------------------------------
@@ -175,7 +244,7 @@ def test_split_k_matches_float64(M, N, K, split_k):
 def test_auto_split_k_only_for_few_tiles_and_long_k():
     # With 132 SMs (H200): GPT-2's weight gradients (out x in, K = 12288 tokens) are split so
     # there are at least two waves of programs; the forward and dX shapes (M = 12288) are not.
-    pick = mm._auto_split_k
+    pick = grouped.auto_split_k
     assert pick(768, 768, 12288, 132) == 8        # attn.c_proj dW: 36 tiles
     assert pick(2304, 768, 12288, 132) == 3       # c_attn dW: 108 tiles
     assert pick(3072, 768, 12288, 132) == 2       # c_fc dW: 144 tiles
@@ -223,38 +292,57 @@ def test_clear_errors(call, exc, match):
 
 
 def test_error_without_triton(monkeypatch):
-    monkeypatch.setattr(mm, "TRITON_IMPORT_ERROR", "Triton is not installed (ImportError); it supports Linux only.")
+    monkeypatch.setattr(env, "TRITON_IMPORT_ERROR", "Triton is not installed (ImportError); it supports Linux only.")
     with pytest.raises(RuntimeError, match="Linux only"):
         matmul(rand(4, 4), rand(4, 4))
+    with pytest.raises(RuntimeError, match="Linux only"):
+        plan(rand(4, 4), rand(4, 4))
+
+
+def test_importing_mpgpt_kernels_without_triton_never_fails():
+    """With `import triton` failing (as on macOS/Windows), `import mpgpt.kernels` still works
+    and the entry points say why they cannot run."""
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch; import mpgpt.kernels as k\n"
+            "ok, why = k.kernels_available(); assert not ok and 'Linux only' in why, why\n"
+            "a = torch.zeros(4, 4, dtype=torch.bfloat16)\n"
+            "try:\n    k.matmul(a, a)\nexcept RuntimeError as e:\n    print('raised:', e)\n")
+    root = str(Path(__file__).resolve().parents[1])
+    envvars = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=envvars, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "raised: Triton is not installed" in done.stdout
 
 
 def test_error_on_old_gpu_names_it(monkeypatch):
-    """bf16 on a T4 (sm_75) gives one line naming the GPU and the way out; fp16 is let through."""
-    monkeypatch.setattr(_env, "interpreting", lambda: False)
-    monkeypatch.setattr(_env, "_CAPABILITY", {})  # the per-device cache: empty, so the fake is asked
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    """bf16 on a T4 (sm_75) gives one line naming the GPU and the way out; fp16 is let through.
+    Faked through the package's own view of the device (env.capability, env.device_name)."""
+    monkeypatch.setattr(env, "interpreting", lambda: False)
+    monkeypatch.setattr(env, "capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(env, "device_name", lambda device=None: "Tesla T4")
     fake = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"Tesla T4 is sm_75.*fp16"):
-        _env.check_device(fake)
-    _env.check_device(SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float16))
+        kernels.check_device(fake)
+    kernels.check_device(SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float16))
+    with pytest.raises(RuntimeError, match=r"Tesla T4 is sm_75.*fp16"):
+        plan(fake_cuda(64, 64), fake_cuda(64, 64))  # plan raises what matmul would
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA tensors"):
-            _env.check_device(torch.zeros(1, dtype=torch.bfloat16))
+            kernels.check_device(torch.zeros(1, dtype=torch.bfloat16))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter check applies without a GPU")
 def test_old_interpreter_with_new_numpy_gets_a_clear_error(monkeypatch):
     # Triton < 3.7's interpreter calls int() on 1-element arrays, which new NumPy refuses: the
     # kernels must say so in one line instead of failing deep inside the interpreter.
-    monkeypatch.setattr(_env, "_numpy_refuses_int_of_1d_array", lambda: True)
-    monkeypatch.setattr(_env.triton, "__version__", "3.6.0")
+    monkeypatch.setattr(env, "_numpy_refuses_int_of_1d_array", lambda: True)
+    monkeypatch.setattr(env.triton, "__version__", "3.6.0")
     ok, why = kernels.kernels_available()
     assert not ok and "triton>=3.7" in why
     with pytest.raises(RuntimeError, match="triton>=3.7"):
         matmul(rand(4, 4), rand(4, 4))
-    monkeypatch.setattr(_env.triton, "__version__", "3.7.0")
-    assert _env.interpreter_problem() is None
+    monkeypatch.setattr(env.triton, "__version__", "3.7.0")
+    assert env.interpreter_problem() is None
 
 
 def test_kernels_available_reports_a_reason():
@@ -392,13 +480,12 @@ def test_init_matches_nn_linear_distribution():
 
 
 def test_ws_kernel_only_where_it_can_run():
-    """The warp-specialised Gluon kernel (matmul_ws.py) is taken only on sm_90, for the forward
+    """The warp-specialised Gluon kernel (ws.py) is taken only on sm_90, for the forward
     layout a @ w.t() with aligned rows and no activation; never on a CPU or in the interpreter,
     where matmul runs the grouped kernel whatever `kernel` says (as for "tma")."""
-    ws = importlib.import_module("mpgpt.kernels.matmul_ws")
     a, w, bias = rand(64, 48), rand(40, 48), rand(40)
     c = torch.empty(64, 40, dtype=torch.bfloat16, device=DEVICE)
-    on_sm90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0) and not _env.interpreting()
+    on_sm90 = DEVICE == "cuda" and env.capability(a.device) == (9, 0) and not env.interpreting()
     assert ws.ws_eligible(a, w.t(), c, bias, None, None) == (on_sm90 and ws.WS_IMPORT_ERROR is None)
     # The operands' half of the decision, on any device:
     fit = ws.ws_operands_fit
@@ -418,11 +505,213 @@ def test_ws_preferred_where_its_tiles_fill_the_waves():
     """kernel="auto" takes the 128 x 192-tile kernel unless the TMA kernel's 128 x 256 tiles fill
     the waves of 132 SMs clearly better: at GPT-2's N = 768 outputs 384 tiles (2.9 waves) beat
     288 (2.2, run as 3); at 4096^3, 704 tiles (5.3 waves) lose to 512 (3.9)."""
-    ws = importlib.import_module("mpgpt.kernels.matmul_ws")
     for M, N in [(12288, 768), (12288, 2304), (12288, 3072), (12288, 50304), (8192, 8192)]:
         assert ws.ws_preferred(M, N, 132), (M, N)
     assert not ws.ws_preferred(4096, 4096, 132)
     assert ws._wave_efficiency(384, 132) == 384 / 396 and ws._wave_efficiency(288, 132) == 288 / 396
+
+
+# ------------------------------------------------------------------------------------------------
+# plan(): which kernel matmul runs, and why (CPU: the GPU generation faked through env)
+# ------------------------------------------------------------------------------------------------
+def _forward(M, K, N, dtype=torch.bfloat16):
+    """x (M, K) and b = w.t() for a row-major (N, K) weight: nn.Linear's forward layout."""
+    return fake_cuda(M, K, dtype=dtype), fake_cuda(N, K, dtype=dtype).t()
+
+
+def _weight_grad(tokens, fout, fin):
+    """dW = dY.t() @ X: A = dY.t() column-major (fout, tokens), B = X (tokens, fin) row-major."""
+    return fake_cuda(tokens, fout).t(), fake_cuda(tokens, fin)
+
+
+def test_plan_in_the_interpreter_is_always_the_grouped_kernel():
+    if not env.interpreting():
+        pytest.skip("runs where Triton's interpreter is on (no GPU)")
+    a, b = rand(40, 48), rand(48, 36)
+    for kernel in ("auto", "grouped", "tma", "ws"):
+        p = plan(a, b, kernel=kernel)
+        assert (p.kernel, p.split_k, p.interpreted) == ("grouped", 1, True), (kernel, p)
+        assert "interpreter" in p.reason
+    assert plan(a, b, split_k=3) == kernels.Plan("grouped", 3, True, plan(a, b, split_k=3).reason)
+    assert plan(a, b, split_k=3).split_k == 3
+    with pytest.raises(dataclasses_frozen_error()):
+        plan(a, b).kernel = "tma"  # a Plan is frozen
+
+
+def dataclasses_frozen_error():
+    import dataclasses
+    return dataclasses.FrozenInstanceError
+
+
+@pytest.mark.parametrize("cc,dtype,name", [((7, 5), torch.float16, "T4"), ((8, 0), torch.bfloat16, "A100"),
+                                           ((8, 9), torch.bfloat16, "L4")])
+def test_plan_below_sm90_is_always_the_grouped_kernel(fake_gpu, cc, dtype, name):
+    """Below sm_90 neither Hopper kernel is ever chosen, in any layout the model uses; the weight
+    gradient still splits K; forcing a Hopper kernel is a clear error. (A T4 takes fp16 only.)"""
+    fake_gpu(cc)
+    where = f"sm_{cc[0]}{cc[1]}"
+    x, wt = _forward(12288, 768, 768, dtype)
+    bias = fake_cuda(768, dtype=dtype)
+    for args in ((x, wt), (x, wt, bias), (x, wt, bias, "gelu"), (fake_cuda(12288, 768, dtype=dtype),
+                                                                  fake_cuda(768, 3072, dtype=dtype))):
+        p = plan(*args)
+        assert (p.kernel, p.split_k, p.interpreted) == ("grouped", 1, False), (name, p)
+        assert where in p.reason and "need sm_90" in p.reason
+    g_t, x_in = fake_cuda(12288, 768, dtype=dtype).t(), fake_cuda(12288, 768, dtype=dtype)
+    assert (plan(g_t, x_in).kernel, plan(g_t, x_in).split_k) == ("grouped", 8)
+    for kernel, match in (("tma", "TMA kernel needs"), ("ws", "warp-specialised kernel needs")):
+        with pytest.raises(ValueError, match=match):
+            plan(x, wt, kernel=kernel)
+    assert plan(x, wt, kernel="grouped").kernel == "grouped"
+
+
+def test_plan_on_sm90_takes_the_tma_kernel_where_its_layout_fits(fake_gpu):
+    """Hopper: the TMA kernel for every aligned layout a linear layer uses (forward with an
+    activation, dX with B row-major, dW with A transposed when split-K would be 2 or 3); the
+    grouped kernel where a descriptor cannot address an operand."""
+    fake_gpu((9, 0))
+    x, wt = _forward(12288, 768, 3072)
+    bias = fake_cuda(3072)
+    p = plan(x, wt, bias, "gelu")
+    assert (p.kernel, p.split_k) == ("tma", 1) and "forward layout" in p.reason, p
+    p = plan(fake_cuda(12288, 3072), fake_cuda(3072, 768))  # dX = dY @ W: B row-major
+    assert (p.kernel, p.split_k) == ("tma", 1) and "row-major" in p.reason, p
+    p = plan(*_weight_grad(12288, 2304, 768))  # c_attn's dW: auto split-K would be 3
+    assert grouped.auto_split_k(2304, 768, 12288, 132) == 3
+    assert (p.kernel, p.split_k) == ("tma", 1) and "split-K 3" in p.reason, p
+    p = plan(*_weight_grad(12288, 3072, 768))  # c_fc's dW: 2
+    assert (p.kernel, p.split_k) == ("tma", 1), p
+    p = plan(*_weight_grad(12288, 2304, 768), kernel="grouped")  # forced grouped: split K as chosen
+    assert (p.kernel, p.split_k) == ("grouped", 3), p
+    # An fp32 output (dW for fp32 master weights) is fine for TMA loads, not for the ws kernel.
+    p = plan(x, wt, out=FakeCuda((12288, 3072), dtype=torch.float32))
+    assert p.kernel == "tma", p
+    # Operands a descriptor cannot address: a base 2 bytes off, 72-byte rows, M < 16.
+    for a, b in ((fake_cuda(12288, 768, ptr=2), wt), (fake_cuda(64, 36), fake_cuda(40, 36).t()),
+                 (fake_cuda(8, 768), wt)):
+        p = plan(a, b)
+        assert (p.kernel, p.split_k) == ("grouped", 1) and "cannot address" in p.reason, (a.shape, p)
+        with pytest.raises(ValueError, match="TMA kernel needs"):
+            plan(a, b, kernel="tma")
+    # Forced kernels where they can run.
+    assert plan(x, wt, bias, "gelu", kernel="grouped").kernel == "grouped"
+    assert plan(x, wt, bias, "gelu", kernel="tma").kernel == "tma"
+
+
+def test_plan_on_sm90_keeps_a_4_way_split_k_on_the_grouped_kernel(fake_gpu):
+    """attn.c_proj's dW (768 x 768 output, K = 12288 tokens): 36 tiles, split-K 8 >= 4, so the
+    grouped kernel, which can split K; forcing TMA runs it unsplit; an explicit split is kept."""
+    fake_gpu((9, 0))
+    a, b = _weight_grad(12288, 768, 768)
+    p = plan(a, b)
+    assert (p.kernel, p.split_k) == ("grouped", 8) and "split-K 8" in p.reason, p
+    assert (plan(a, b, kernel="grouped").kernel, plan(a, b, kernel="grouped").split_k) == ("grouped", 8)
+    assert (plan(a, b, kernel="tma").kernel, plan(a, b, kernel="tma").split_k) == ("tma", 1)
+    assert (plan(a, b, split_k=1).kernel, plan(a, b, split_k=4).split_k) == ("tma", 4)
+    assert plan(a, b, split_k=4).kernel == "grouped"
+    # With fewer SMs the same product needs fewer slices: 2 * 16 / 36 tiles -> no split, TMA.
+    fake_gpu((9, 0), sms=16)
+    assert (plan(a, b).kernel, plan(a, b).split_k) == ("tma", 1)
+    # An epilogue never splits.
+    fake_gpu((9, 0))
+    assert plan(a, b, fake_cuda(768)).split_k == 1
+    with pytest.raises(ValueError, match="no bias"):
+        plan(a, b, fake_cuda(768), split_k=2)
+    with pytest.raises(ValueError, match="grouped kernel"):
+        plan(a, b, split_k=2, kernel="tma")
+
+
+@pytest.mark.skipif(ws.WS_IMPORT_ERROR is not None, reason="this Triton has no Gluon")
+def test_plan_on_sm90_takes_the_ws_kernel_where_preferred(fake_gpu):
+    """sm_90, forward layout, no activation: the warp-specialised kernel where its 128 x 192 tiles
+    fill the waves (every GPT-2 shape, 8192^3), the TMA kernel where they do not (4096^3); never
+    with an activation, a saved pre-activation, another layout, an fp32 output or on sm_100."""
+    fake_gpu((9, 0))
+    for M, K, N in [(12288, 768, 768), (12288, 3072, 768), (12288, 768, 2304), (8192, 8192, 8192)]:
+        x, wt = _forward(M, K, N)
+        for bias in (None, fake_cuda(N)):
+            p = plan(x, wt, bias)
+            assert (p.kernel, p.split_k, p.interpreted) == ("ws", 1, False), (M, K, N, p)
+            assert "ws_preferred" in p.reason and "sm_90" in p.reason
+    x, wt = _forward(12288, 768, 768)
+    assert plan(fake_cuda(2, 6144, 768), wt).kernel == "ws"  # batch dimensions flattened
+    p = plan(*_forward(4096, 4096, 4096))
+    assert p.kernel == "tma" and "not ws_preferred" in p.reason, p
+    assert plan(*_forward(4096, 4096, 4096), kernel="ws").kernel == "ws"  # forced: eligible is enough
+    assert plan(x, wt, fake_cuda(768), "relu").kernel == "tma"
+    assert plan(x, wt, out=FakeCuda((12288, 768), dtype=torch.float32)).kernel == "tma"
+    for args, kw in (((x, wt, fake_cuda(768), "gelu"), {}), ((fake_cuda(12288, 768), fake_cuda(768, 768)), {}),
+                     ((x, wt), {"out": FakeCuda((12288, 768), dtype=torch.float32)})):
+        with pytest.raises(ValueError, match="warp-specialised kernel needs"):
+            plan(*args, kernel="ws", **kw)
+    with pytest.raises(ValueError, match="grouped kernel"):
+        plan(x, wt, kernel="ws", split_k=2)
+    fake_gpu((10, 0))  # Blackwell has no wgmma: TMA, never ws
+    assert plan(x, wt).kernel == "tma"
+    with pytest.raises(ValueError, match="warp-specialised kernel needs"):
+        plan(x, wt, kernel="ws")
+
+
+def test_matmul_runs_what_plan_says(fake_gpu, monkeypatch):
+    """matmul's dispatch follows plan(): with the three kernels' launchers replaced by recorders,
+    every call launches exactly the kernel and split-K that plan() returns for the same
+    arguments, and a second call with the same signature replays the remembered launch."""
+    calls = []
+
+    def recorder(name):
+        def run(a, b, c, *args, split_k=1, **kwargs):
+            calls.append((name, split_k))
+            return lambda *tensors: calls.append((name, "replay"))
+        return run
+
+    for module in (grouped, tma, ws):
+        monkeypatch.setattr(module, "launch", recorder(module.__name__.rsplit(".", 1)[1]))
+    monkeypatch.setattr(launch, "CACHE", {})
+    monkeypatch.delenv("MPGPT_LEAN_LAUNCH", raising=False)
+    for cc in ((8, 0), (9, 0)):
+        fake_gpu(cc)
+        x, wt = _forward(12288, 768, 768)
+        cases = [((x, wt), {}), ((x, wt, fake_cuda(768), "gelu"), {}), (_weight_grad(12288, 768, 768), {}),
+                 (_weight_grad(12288, 2304, 768), {}), ((fake_cuda(12288, 768, ptr=2), wt), {}),
+                 ((x, wt), {"kernel": "grouped"}), ((fake_cuda(300, 200), fake_cuda(200, 100)), {"split_k": 3})]
+        for args, kw in cases:
+            expected = plan(*args, **kw)
+            out = FakeCuda((args[0].shape[0], args[1].shape[1]))
+            calls.clear()
+            matmul(*args, out=out, **kw)
+            assert calls == [(expected.kernel, expected.split_k if expected.kernel == "grouped" else 1)], (cc, expected)
+            matmul(*args, out=out, **kw)  # same signature: the remembered launch
+            assert calls[1:] == [(expected.kernel, "replay")], (cc, expected)
+    assert {p.kernel for p, _ in launch.CACHE.values()} >= {"grouped", "tma"}
+
+
+def test_every_capability_decision_goes_through_env_capability():
+    """So that patching env.capability alone fakes the GPU generation: outside env.py no module of
+    mpgpt.kernels asks torch for the capability (kernels/bench.py only records it in its result
+    file's environment), and none imports env's device functions by name (a patch of the module
+    attribute would not reach such a copy)."""
+    import mpgpt.kernels as pkg
+    for path in Path(pkg.__file__).parent.glob("*.py"):
+        src = path.read_text()
+        if path.name != "env.py":
+            uses = [line for line in src.splitlines() if "get_device_capability" in line]
+            allowed = ['    env["compute_capability"] = list(torch.cuda.get_device_capability(0))']
+            assert [u for u in uses if u not in allowed] == [], path.name
+        for line in src.splitlines():
+            if line.startswith("from .env import") and path.name != "__init__.py":  # __init__: re-exports
+                names = {n.strip() for n in line.split("import", 1)[1].split("#")[0].split(",")}
+                assert not names & {"capability", "num_sms", "interpreting", "check_device", "device_name"}, \
+                    (path.name, line)
+
+
+def test_grouped_configs_follow_the_planned_capability(fake_gpu):
+    """The grouped kernel's autotuner tries the configurations written for the GPU generation
+    env.capability reports (the first launch decides; importing never initialises CUDA)."""
+    named = {"a_ptr": fake_cuda(64, 64)}
+    fake_gpu((8, 0))
+    assert grouped._prune_by_arch(grouped.CONFIGS_SM90 + grouped.CONFIGS_SM80, named) == grouped.CONFIGS_SM80
+    fake_gpu((9, 0))
+    assert grouped._prune_by_arch(grouped.CONFIGS_SM90 + grouped.CONFIGS_SM80, named) == grouped.CONFIGS_SM90
 
 
 # ------------------------------------------------------------------------------------------------
@@ -509,9 +798,9 @@ def test_gpu_every_tma_config_is_correct(monkeypatch):
     monkeypatch.setenv("MPGPT_AUTOTUNE", "0")
     monkeypatch.setenv("MPGPT_LEAN_LAUNCH", "0")
     M, N, K = 1000, 776, 1000
-    for cfg in mm._TMA:
+    for cfg in tma.CONFIGS:
         fixed = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        monkeypatch.setattr(mm, "_FIXED_TMA", fixed)
+        monkeypatch.setattr(tma, "FIXED", fixed)
         a, w, bias = rand(M, K), rand(N, K), rand(N)
         c = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
         z = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -540,7 +829,6 @@ def test_gpu_ws_kernel_against_float64(dtype):
     buffer: every element must be written, and nothing outside it."""
     if not _ws_available():
         pytest.skip("the warp-specialised kernel needs sm_90")
-    ws = importlib.import_module("mpgpt.kernels.matmul_ws")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for M, K, N in [(1000, 1000, 776), (77, 3072, 200), (300, 64, 192), (12288, 768, 768)]:
         for use_bias in (False, True):
@@ -558,17 +846,20 @@ def test_gpu_ws_kernel_against_float64(dtype):
 
 
 @pytest.mark.sm80
-def test_gpu_auto_takes_the_ws_kernel_for_plain_forward_products():
+def test_gpu_auto_takes_the_ws_kernel_for_plain_forward_products(monkeypatch):
     """kernel="auto" on sm_90: the forward layout without activation (with or without bias) goes
     to the warp-specialised kernel, with GELU to the TMA kernel; kernel="ws" where it cannot run
     is a clear error."""
     if not _ws_available():
         pytest.skip("the warp-specialised kernel needs sm_90")
-    mm._PLANS.clear()
+    monkeypatch.delenv("MPGPT_LEAN_LAUNCH", raising=False)  # the cache records what ran
+    launch.CACHE.clear()
     a, w, bias = rand(2048, 768), rand(768, 768), rand(768)
     for b_, act, kind in ((None, None, "ws"), (bias, None, "ws"), (bias, "gelu", "tma")):
+        p = plan(a, w.t(), b_, act)
+        assert p.kernel == kind, (act, p)
         out = matmul(a, w.t(), b_, act)
-        assert mm._LAST_KIND == kind, (act, mm._LAST_KIND)
+        assert [entry[0] for entry in launch.CACHE.values()][-1] == p  # what ran is what plan said
         assert rel_err(out, reference(a, w.t(), b_, act)) < 1e-2
     with pytest.raises(ValueError, match="warp-specialised"):
         matmul(a, w.t(), bias, "gelu", kernel="ws")
@@ -576,14 +867,14 @@ def test_gpu_auto_takes_the_ws_kernel_for_plain_forward_products():
 
 @pytest.mark.sm80
 def test_gpu_lean_launch_repeats_the_ordinary_launch(monkeypatch):
-    """The second call with a signature skips Triton's Python launch path (matmul._PLANS,
+    """The second call with a signature skips Triton's Python launch path (launch.CACHE,
     launch.py). On fresh inputs it must give bit for bit what the ordinary path gives, and be
     right against float64; a misaligned view (Triton specialises on 16-byte alignment) must get a
     plan of its own. Cases: the forward layout with bias+GELU (TMA kernel on sm_90), with bias
     only (warp-specialised kernel on sm_90), a strided grouped launch, and a weight gradient that
     splits K."""
     monkeypatch.delenv("MPGPT_LEAN_LAUNCH", raising=False)
-    mm._PLANS.clear()
+    launch.CACHE.clear()
 
     def operands(case):
         if case == "forward":
@@ -601,12 +892,14 @@ def test_gpu_lean_launch_repeats_the_ordinary_launch(monkeypatch):
     matmul(aligned[0], aligned[1], aligned[2], aligned[3])  # the misaligned case's aligned twin
     for case in ("forward", "ws", "grouped", "split", "misaligned"):
         first = operands(case)
-        n = len(mm._PLANS)
+        n = len(launch.CACHE)
         matmul(first[0], first[1], first[2], first[3], kernel=first[4])
-        assert len(mm._PLANS) == n + 1, case  # the first call remembered its launch
+        assert len(launch.CACHE) == n + 1, case  # the first call remembered its launch
+        remembered = list(launch.CACHE.values())[-1][0]
+        assert remembered == plan(first[0], first[1], first[2], first[3], kernel=first[4]), case
         a, b, bias, act, kern = operands(case)  # fresh inputs, same signature
         lean = matmul(a, b, bias, act, kernel=kern)
-        assert len(mm._PLANS) == n + 1, case  # ... and the second one used it
+        assert len(launch.CACHE) == n + 1, case  # ... and the second one used it
         monkeypatch.setenv("MPGPT_LEAN_LAUNCH", "0")
         plain = matmul(a, b, bias, act, kernel=kern)
         monkeypatch.delenv("MPGPT_LEAN_LAUNCH")

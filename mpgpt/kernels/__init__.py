@@ -1,17 +1,32 @@
 """Triton kernels for chapter 6: a bf16 matmul with fp32 accumulation and a fused epilogue,
 and TritonLinear, an nn.Linear replacement whose forward and backward GEMMs run through it.
 
-    from mpgpt.kernels import matmul, TritonLinear, kernels_available
+    from mpgpt.kernels import matmul, plan, TritonLinear, kernels_available
     ok, why = kernels_available()
+    print(plan(x, w.t()).reason)       # which kernel matmul(x, w.t()) runs here, and why
+
+The package, one file per idea:
+
+    env.py       where the kernels can run (interpreter, Triton missing, GPU generation)
+    epilogue.py  jitted helpers the kernels share: tile order, bias + activation, stores
+    grouped.py   the teaching kernel: grouped tile order, split-K, the interpreter path
+    tma.py       Hopper's persistent TMA kernel
+    ws.py        Hopper's warp-specialised Gluon kernel (128 x 192 tiles)
+    launch.py    repeating a launch without Triton's Python launch path
+    matmul.py    the public matmul, and plan(): which kernel runs, and why
+    gelu.py      GELU's backward in one pass
+    linear.py    TritonLinear; ops.py: its kernels as torch.compile-traceable custom operators
+    bench.py     the benchmark against cuBLAS
 
 Importing this package never fails: without a CUDA GPU it switches Triton to its CPU
-interpreter (TRITON_INTERPRET=1, set before any kernel is decorated), and without Triton
-(macOS, Windows) the entry points raise a RuntimeError that says why.
+interpreter (TRITON_INTERPRET=1, set by env.py before any kernel is decorated), and without
+Triton (macOS, Windows) the entry points raise a RuntimeError that says why.
 """
-from ._env import interpreting, kernels_available  # first: sets TRITON_INTERPRET if needed
+from . import env  # first: sets TRITON_INTERPRET if needed, before any kernel is decorated
+from .env import capability, check_device, interpreting, kernels_available
 from .gelu import gelu_backward
 from .linear import TritonLinear, gelu_tanh_grad, triton_linear
-from .matmul import ACTIVATIONS, matmul
+from .matmul import ACTIVATIONS, KERNELS, Plan, matmul, plan
 
-__all__ = ["matmul", "TritonLinear", "triton_linear", "kernels_available", "interpreting",
-           "gelu_tanh_grad", "gelu_backward", "ACTIVATIONS"]
+__all__ = ["matmul", "plan", "Plan", "TritonLinear", "triton_linear", "kernels_available", "interpreting",
+           "check_device", "capability", "gelu_tanh_grad", "gelu_backward", "ACTIVATIONS", "KERNELS"]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
 import sys
@@ -33,6 +32,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import env as kenv
+from . import grouped, tma, ws
+from .linear import TritonLinear
+from .matmul import matmul, plan
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 GPT2_SHAPES = [  # (label, M, N, K)
@@ -70,20 +74,19 @@ def _median_ms(fn, grad_to_none=None):
     return do_bench(fn, warmup=50, rep=300, grad_to_none=grad_to_none, return_mode="median")
 
 
-def _tuning(kernel: str) -> dict:
-    """The config the autotuner chose at its last tuning run, and every config's time (ms). Call it
-    right after the first call of a new shape: later calls of the same shape skip the autotuner
-    (matmul.py's lean launch path), so they do not update it."""
-    import importlib
-
-    mm = importlib.import_module(__package__ + ".matmul")  # the module; the package re-exports the function
-    ran = mm._LAST_KIND  # which kernel the call just made ran ("auto" decides per call)
+def _tuning(kernel: str, a, b, bias=None, activation=None) -> dict:
+    """Which kernel matmul(a, b, bias, activation, kernel=kernel) runs (matmul.plan), the config
+    the autotuner chose at its last tuning run, and every config's time (ms). Call it right
+    after the first call of a new shape: later calls of the same shape skip the autotuner (the
+    lean launch path, launch.py), so they do not update it."""
+    p = plan(a, b, bias, activation, kernel=kernel)
+    ran = p.kernel
     if ran == "ws":
-        ws = importlib.import_module(__package__ + ".matmul_ws")
-        return {"kernel": "ws", "best_config": f"fixed: {ws.BLOCK_M}x({ws.BLOCK_N}+{ws.EXTRA_N})x{ws.BLOCK_K}, "
+        return {"kernel": "ws", "plan": p.reason,
+                "best_config": f"fixed: {ws.BLOCK_M}x({ws.BLOCK_N}+{ws.EXTRA_N})x{ws.BLOCK_K}, "
                 f"{ws.STAGES} stages, {ws.NUM_WARPS}+1 warps"}
-    tuner = mm._matmul_tma if ran == "tma" else mm._matmul_grouped
-    out = {"kernel": ran, "best_config": str(getattr(tuner, "best_config", None))}
+    tuner = tma.matmul_tma_autotuned if ran == "tma" else grouped.matmul_autotuned
+    out = {"kernel": ran, "plan": p.reason, "best_config": str(getattr(tuner, "best_config", None))}
     timings = getattr(tuner, "configs_timings", None)
     if timings:
         out["config_ms"] = {str(c): (t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
@@ -91,8 +94,6 @@ def _tuning(kernel: str) -> dict:
 
 
 def bench_matmul(kernels, shapes):
-    from .matmul import matmul
-
     rows = []
     for label, M, N, K in shapes:
         a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -108,7 +109,7 @@ def bench_matmul(kernels, shapes):
             err = ((out.float() - ref).norm() / ref.norm()).item()  # vs cuBLAS: both bf16-rounded
             ms = _median_ms(lambda: matmul(a, b, kernel=kern))
             row[kern] = {"ms": ms, "tflops": flops / ms * 1e-9, "vs_cublas": ms_cublas / ms,
-                         "rel_diff_vs_cublas": err, **_tuning(kern)}
+                         "rel_diff_vs_cublas": err, **_tuning(kern, a, b)}
         rows.append(row)
         _print_row(row, kernels)
         del a, w, b, ref
@@ -125,8 +126,6 @@ def _print_row(row, kernels):
 
 
 def bench_fused(kernels, M=12288, K=768, N=3072):
-    from .matmul import matmul
-
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
     bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
@@ -141,7 +140,7 @@ def bench_fused(kernels, M=12288, K=768, N=3072):
                      "rel_diff": ((out.float() - ref).norm() / ref.norm()).item(),
                      # same (M, N, K) as c_fc: the autotuner reuses that choice, so its
                      # per-config timings would be stale; record only the config.
-                     "best_config": _tuning(kern)["best_config"]}
+                     "best_config": _tuning(kern, x, w.t(), bias, "gelu")["best_config"]}
     line = (f"fused bias+GELU {M}x{K}->{N}: torch linear+bias {res['torch_linear_bias_ms']*1e3:.0f} us, "
             f"+gelu {res['torch_linear_bias_gelu_ms']*1e3:.0f} us")
     for kern in kernels:
@@ -154,8 +153,6 @@ def linear_case(M, fin, fout, act):
     """One layer comparison: (nn.Linear, + nn.GELU if act), a TritonLinear sharing its parameters,
     fp32 input x (M, fin) that needs a gradient, bf16 output gradient g (M, fout), and
     step(layer) -> a function running one forward + backward under bf16 autocast."""
-    from .linear import TritonLinear
-
     lin = nn.Linear(fin, fout, device="cuda")
     ref_layer = nn.Sequential(lin, nn.GELU(approximate="tanh")) if act else lin
     tri_layer = TritonLinear.from_linear(lin, activation=act)
@@ -203,13 +200,14 @@ def main(argv=None) -> int:
         print("The kernel benchmark needs a CUDA GPU (compute capability >= 8.0); recorded results are "
               f"in {RESULTS_DIR}.")
         return 1
-    if torch.cuda.get_device_capability() < (8, 0):
+    cc = kenv.capability(torch.device("cuda", torch.cuda.current_device()))
+    if cc < (8, 0):
         print(f"{torch.cuda.get_device_name()} is below compute capability 8.0: bf16 Triton does not compile there.")
         return 1
     kernels = [k for k in args.kernels.split(",") if k]
-    if torch.cuda.get_device_capability() < (9, 0):
+    if cc < (9, 0):
         kernels = [k for k in kernels if k != "tma"]
-    if torch.cuda.get_device_capability() != (9, 0):
+    if cc != (9, 0):
         kernels = [k for k in kernels if k != "ws"]
     skip = set(filter(None, args.skip.split(",")))
 
@@ -220,7 +218,6 @@ def main(argv=None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^a-z0-9]+", "-", env["gpu"].lower()).strip("-")
     path = args.out_dir / f"{args.tag}_{slug}_{env['date'][:10]}.json"
-    env["MPGPT_TRITON_TMA"] = os.environ.get("MPGPT_TRITON_TMA", "1")
     parts = [("matmul", lambda: bench_matmul(kernels, GPT2_SHAPES + SQUARE_SHAPES)),
              ("fused_bias_gelu", lambda: bench_fused([k for k in kernels if k != "ws"])),  # ws: no activation
              ("triton_linear_fwd_bwd", bench_linear)]

@@ -14,24 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from ._env import check_device, interpreting, tl, triton
+from . import env
+from .env import tl, triton
+from .epilogue import sigmoid_f32  # shared with the matmul's GELU epilogue
 
 _BLOCK = 1024  # elements per program (the interpreter uses the same: one program per 1024)
-
-
-@triton.jit
-def sigmoid_f32(v):
-    """sigmoid(v) in fp32 without overflow, with one approximate reciprocal.
-
-    e = exp(-|v|) <= 1 never overflows (exp(-v) would, for v < -88). Then sigmoid(v) = r for
-    v >= 0 and e * r for v < 0, with r = 1 / (1 + e). `tl.fdiv(..., ieee_rounding=False)` is
-    the GPU's fast division (PTX div.full.f32: at most 2 ulp off, per the PTX ISA manual), a
-    few instructions instead of the correctly rounded `/` (div.rn.f32) with its slow path. The
-    earlier version used two `/` per element in the matmul's GELU epilogue
-    (benchmarks/NOTES-kernels.md has what that cost)."""
-    e = tl.exp(-tl.abs(v))
-    r = tl.fdiv(tl.full(v.shape, 1.0, tl.float32), 1.0 + e, ieee_rounding=False)
-    return tl.where(v >= 0, r, e * r)
 
 
 @triton.jit
@@ -60,13 +47,13 @@ def gelu_backward(grad: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"grad and z must have the same shape, got {tuple(grad.shape)} and {tuple(z.shape)}")
     if grad.device != z.device:
         raise ValueError(f"grad is on {grad.device} but z is on {z.device}")
-    check_device(grad)
+    env.check_device(grad)
     g, zc = grad.contiguous(), z.contiguous()
     n = g.numel()
     if n >= 2**31:
         raise ValueError(f"{n} elements: offsets are 32-bit inside the kernel; split the tensor")
-    # The interpreter rounds fp32 -> bf16 by truncation (see matmul.py): write fp32, let torch round.
-    out_dtype = torch.float32 if interpreting() else g.dtype
+    # The interpreter rounds fp32 -> bf16 by truncation (see grouped.py): write fp32, let torch round.
+    out_dtype = torch.float32 if env.interpreting() else g.dtype
     out = torch.empty(g.shape, dtype=out_dtype, device=g.device)
     if n:
         _gelu_backward_kernel[(triton.cdiv(n, _BLOCK),)](g, zc, out, n, BLOCK=_BLOCK)

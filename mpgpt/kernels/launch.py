@@ -19,17 +19,27 @@ This leans on Triton internals (`CompiledKernel.run/function/packed_metadata`, c
 triton 3.6 and 3.9); if they are missing, `compiled_launch` returns None and the caller keeps the
 ordinary path. MPGPT_LEAN_LAUNCH=0 turns it off, and so does a launch hook (profilers such as
 proton install one, and this path does not call it).
+
+What lives here:
+* `signature(...)` and `CACHE`: call signature -> (the Plan that matmul.plan chose, a replay
+  function that repeats the launch with new tensors). The kernel modules build the replay
+  functions (`grouped.launch`, `tma.launch`, `ws.launch` return one);
+* `compiled_launch` / `CompiledLaunch`: the remembered launch of one compiled kernel;
+* the two switches, read at every call (so setting them in a running process takes effect):
+  `lean_launch_enabled()` (MPGPT_LEAN_LAUNCH) and `autotune_enabled()` (MPGPT_AUTOTUNE=0 launches
+  one fixed configuration per kernel instead of autotuning: fast tests).
 """
 from __future__ import annotations
 
 import os
 
-from ._env import TRITON_IMPORT_ERROR, triton
+from . import env
+from .env import triton
 
 
 def lean_launch_enabled() -> bool:
     """True unless MPGPT_LEAN_LAUNCH=0 or a Triton launch hook is installed (a profiler's)."""
-    if TRITON_IMPORT_ERROR is not None or os.environ.get("MPGPT_LEAN_LAUNCH", "1") == "0":
+    if env.TRITON_IMPORT_ERROR is not None or os.environ.get("MPGPT_LEAN_LAUNCH", "1") == "0":
         return False
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     for name in ("launch_enter_hook", "launch_exit_hook"):
@@ -38,6 +48,35 @@ def lean_launch_enabled() -> bool:
         if hook is not None and getattr(hook, "calls", True):
             return False
     return True
+
+
+def autotune_enabled() -> bool:
+    """False when MPGPT_AUTOTUNE=0: each kernel then launches one fixed configuration.
+
+    Autotuning compiles every configuration for every new specialisation of a shape (about 3 s
+    each on an H200 machine's CPUs), which dominates a test run over many odd shapes."""
+    return os.environ.get("MPGPT_AUTOTUNE", "1") != "0"
+
+
+# Call signature -> (Plan, replay(a, b, c, bias, z)). Filled by the first call with a signature
+# (matmul._matmul_2d), used by every later one.
+CACHE: dict = {}
+
+
+def _aligned16(t) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def signature(a, b, c, bias, z, activation, kernel, split_k) -> tuple:
+    """Everything that decides how a call is launched: the plan's inputs (device and its
+    capability, dtypes, shapes, strides, 16-byte alignment of each address, the epilogue, the
+    `kernel` and `split_k` asked for) and the autotuning switch. Shapes and strides are in it
+    exactly, so the integers passed to the kernel are too."""
+    return (a.device.index, env.capability(a.device), a.dtype, c.dtype, a.shape, b.shape, a.stride(), b.stride(),
+            c.stride(), _aligned16(a), _aligned16(b), _aligned16(c),
+            None if bias is None else (bias.dtype, bias.stride(), _aligned16(bias)),
+            None if z is None else (z.dtype, z.stride(), _aligned16(z)),
+            activation, kernel, split_k, autotune_enabled())
 
 
 class CompiledLaunch:

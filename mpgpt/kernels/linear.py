@@ -79,7 +79,7 @@ def _make_function(device_type: str, amp_decorators: bool = True):
             x_lp = x.to(dtype)
             w_lp = weight.to(dtype)
             b_lp = bias.to(dtype) if bias is not None else None
-            x2, _, b_lp, out_shape = _check(x_lp, w_lp.t(), b_lp, activation)  # x2: (M, in)
+            x2, _, b_lp, _, out_shape = _check(x_lp, w_lp.t(), b_lp, activation)  # x2: (M, in)
             # GELU's backward needs Z = x W^T + b. We keep Z (written by the same epilogue, one
             # extra (M, out) store) instead of recomputing it: recomputing costs a whole extra GEMM
             # in backward (+50 % backward FLOPs), while keeping it costs M*out*2 bytes, the same

@@ -1,4 +1,4 @@
-"""Where the Triton kernels can run, decided once at import (chapter 6).
+"""Where the Triton kernels can run, and what the package believes about the GPU (chapter 6).
 
 Three situations, and what each one means for `mpgpt.kernels`:
 
@@ -11,6 +11,22 @@ Three situations, and what each one means for `mpgpt.kernels`:
 
 A GPU below compute capability 8.0 (Colab's free T4 is sm_75) cannot compile bf16 Triton code
 (`ptxas: Feature '.bf16' requires .target sm_80`); `check_device` turns that into a clear error.
+
+The public functions, each the one place the package asks its question:
+
+    interpreting()        does Triton run kernels in its numpy interpreter?
+    kernels_available()   (ok, one line saying how or why not)
+    check_device(t)       raise a one-line RuntimeError if the kernels cannot run on t
+    capability(device)    the compute capability, e.g. (9, 0) on an H100/H200
+    num_sms(device)       the number of multiprocessors (the persistent kernels' grid)
+    device_name(device)   the GPU's name, for error messages
+
+Every decision in `mpgpt.kernels` that depends on the GPU generation (which kernel `matmul`
+takes, which autotuning configurations are tried, which errors are raised) calls `capability`
+through this module, at call time. So a test can make the package believe it runs on another
+GPU by patching `mpgpt.kernels.env.capability` (and `num_sms`) alone; what Triton's compiler
+targets is untouched. The other modules call `env.capability(...)`, never a copy of the name,
+so that such a patch reaches them.
 """
 from __future__ import annotations
 
@@ -19,7 +35,7 @@ from types import SimpleNamespace
 
 import torch
 
-# Must happen before `import triton` decorates anything in matmul.py. setdefault: a user who
+# Must happen before `import triton` decorates anything (grouped.py, tma.py, gelu.py, ...). setdefault: a user who
 # exported TRITON_INTERPRET themselves (0 or 1) keeps their choice.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -53,7 +69,7 @@ except ImportError as exc:  # macOS / Windows, or a Linux box without the wheel
     def _decorator(fn=None, **kwargs):
         return _Stub(fn) if callable(fn) else (lambda f: _Stub(f))
 
-    triton = SimpleNamespace(  # only the names matmul.py uses at import time
+    triton = SimpleNamespace(  # only the names the kernel modules use at import time
         jit=_decorator,
         autotune=lambda *a, **k: (lambda f: f),
         Config=lambda *a, **k: None,
@@ -111,8 +127,9 @@ def kernels_available() -> tuple[bool, str]:
         return True, f"Triton {triton.__version__} interpreter on the CPU (TRITON_INTERPRET=1; slow, for learning and tests)"
     if not torch.cuda.is_available():
         return False, "no CUDA GPU and TRITON_INTERPRET is not 1: set TRITON_INTERPRET=1 before importing mpgpt"
-    name = torch.cuda.get_device_name()
-    cc = torch.cuda.get_device_capability()
+    device = torch.device("cuda", torch.cuda.current_device())
+    name = device_name(device)
+    cc = capability(device)
     if cc < (8, 0):
         return False, (
             f"{name} is sm_{cc[0]}{cc[1]}: bf16 Triton kernels need compute capability >= 8.0 "
@@ -122,14 +139,40 @@ def kernels_available() -> tuple[bool, str]:
 
 
 _CAPABILITY: dict = {}
+_NUM_SMS: dict = {}
 
 
-def _capability(device: torch.device) -> tuple[int, int]:
-    """torch.cuda.get_device_capability, cached per device: asked on every kernel launch."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+def _index(device) -> int:
+    """The CUDA device index of a torch.device, a "cuda:N" string or an int (None: the current one)."""
+    if isinstance(device, int):
+        return device
+    device = torch.device("cuda") if device is None else torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def capability(device=None) -> tuple[int, int]:
+    """The compute capability (major, minor) of a CUDA device, e.g. (8, 0) A100, (8, 9) L4,
+    (9, 0) H100/H200. Cached per device: `matmul` asks on every call.
+
+    The one function the kernels package consults for the GPU generation (see the module
+    docstring): patch it to make the package plan for another GPU."""
+    idx = _index(device)
     if idx not in _CAPABILITY:
         _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
     return _CAPABILITY[idx]
+
+
+def num_sms(device=None) -> int:
+    """The number of multiprocessors of a CUDA device (132 on an H100 SXM / H200), cached."""
+    idx = _index(device)
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def device_name(device=None) -> str:
+    """The GPU's name, e.g. "NVIDIA H200" (only error messages and reports use it)."""
+    return torch.cuda.get_device_name(_index(device))
 
 
 def check_device(t: torch.Tensor) -> None:
@@ -146,17 +189,18 @@ def check_device(t: torch.Tensor) -> None:
             f"Triton kernels run on CUDA tensors (got a {t.device.type} tensor); move it with "
             ".cuda(), or set TRITON_INTERPRET=1 before importing mpgpt to use the CPU interpreter"
         )
-    cc = _capability(t.device)
+    cc = capability(t.device)
     if cc >= (8, 0):
         return
-    name = torch.cuda.get_device_name(t.device)
     if t.dtype == torch.bfloat16:
+        name = device_name(t.device)
         raise RuntimeError(
             f"bf16 Triton kernels need compute capability >= 8.0 (sm_80, e.g. A100/L4/H100); "
             f"{name} is sm_{cc[0]}{cc[1]}. Use fp16 inputs (torch.autocast(..., dtype=torch.float16) "
             "with a loss scaler) or torch.nn.Linear"
         )
     if cc < (7, 0):
+        name = device_name(t.device)
         raise RuntimeError(
             f"Triton's matrix instructions need compute capability >= 7.0; {name} is "
             f"sm_{cc[0]}{cc[1]}. Use torch.nn.Linear"

@@ -1,7 +1,7 @@
 """A warp-specialised Hopper matmul written in Gluon, with 128 x 192 tiles (chapter 6).
 
 Why a third kernel. The GPT-2 products with N = 768 outputs (attn.c_proj, mlp.c_proj) stayed at
-0.80-0.86x of cuBLAS on the persistent TMA kernel (matmul.py) through four sessions of tuning
+0.80-0.86x of cuBLAS on the persistent TMA kernel (tma.py) through several rounds of tuning
 (benchmarks/NOTES-kernels.md). Nsight Compute then showed what cuBLAS does there: 192 x 192
 tiles, one warpgroup issuing TMA loads and two warpgroups doing the MMAs (its kernel is
 `nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB`). 12288 x 768 makes 256 such tiles, 1.94 waves on
@@ -25,21 +25,24 @@ schedule ourselves:
   fp32 (loaded before the tile's MMAs), one rounding, TMA stores (which drop what lies past
   the edges; loads past the edges read zeros).
 
-Measured on the H200 (CUDA-graph replay; benchmarks/NOTES-kernels.md, session 5): 24.7 us against
+Measured on the H200 (CUDA-graph replay; benchmarks/NOTES-kernels.md): 24.7 us against
 cuBLAS's 25.0 at 12288 x 768 x 768 (the TMA kernel: 30-31 us), 92.1 against 90.9 at
 12288 x 768 x 3072.
 
 Scope, checked by `ws_eligible`: sm_90 exactly (Blackwell has no wgmma), bf16/fp16, the forward
 layout (A (M, K) with unit column stride, B = w.t() for a row-major weight w (N, K)), optional
 bias, no activation, C row-major; every base address and row pitch 16-byte aligned. Everything
-else goes to matmul.py's kernels. Gluon kernels run only compiled (there is no interpreter for
-them); where Gluon is missing, WS_IMPORT_ERROR says why and nothing here is used.
+else goes to the TMA kernel (tma.py) or the grouped kernel (grouped.py); `matmul.plan` decides,
+using `ws_eligible` and `ws_preferred`. Gluon kernels run only compiled (there is no interpreter
+for them); where Gluon is missing, WS_IMPORT_ERROR says why and nothing here is used.
 """
 from __future__ import annotations
 
 import torch
 
-from ._env import TRITON_IMPORT_ERROR, _capability, interpreting, triton
+from . import env
+from .env import TRITON_IMPORT_ERROR, triton
+from .launch import compiled_launch
 
 WS_IMPORT_ERROR = TRITON_IMPORT_ERROR
 try:
@@ -53,12 +56,12 @@ except Exception as e:  # no Triton, or one without Gluon's Hopper module
 # The one configuration (on the H200, 4 stages beat 3 at each of the three shapes timed both ways).
 BLOCK_M, BLOCK_N, EXTRA_N, BLOCK_K, STAGES, GROUP_M, NUM_WARPS = 128, 128, 64, 64, 4, 8, 8
 
-if WS_IMPORT_ERROR is None and not interpreting():
+if WS_IMPORT_ERROR is None and not env.interpreting():
 
     @gluon.jit
     def _tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
                       TILE_N: gl.constexpr):
-        """Corner of tile `tile_id` in grouped order (as matmul._tile_coords)."""
+        """Corner of tile `tile_id` in grouped order (as epilogue.tile_coords, in Gluon)."""
         num_pid_in_group = GROUP_M * num_pid_n
         group_id = tile_id // num_pid_in_group
         first_pid_m = group_id * GROUP_M
@@ -156,7 +159,7 @@ if WS_IMPORT_ERROR is None and not interpreting():
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _matmul_ws_kernel(
+    def matmul_ws_kernel(
         a_desc, b_desc, b2_desc,            # TMA descriptors of A (M, K) and of w (N, K), two box widths
         c_desc, c2_desc,                    # ... and of C (M, N), two box widths
         bias_ptr, M, N, K,                  # bias (N,), read only if HAS_BIAS
@@ -208,8 +211,9 @@ def ws_operands_fit(a, b, c, bias, activation, z) -> bool:
 
 
 def ws_eligible(a, b, c, bias, activation, z) -> bool:
-    """True if matmul_ws can compute c = a @ b (+ bias): see the module docstring's scope."""
-    if WS_IMPORT_ERROR is not None or interpreting() or not a.is_cuda or _capability(a.device) != (9, 0):
+    """True if this kernel can compute c = a @ b (+ bias) here: see the module docstring's scope.
+    The device half: Gluon importable, compiled mode, a CUDA device with env.capability == (9, 0)."""
+    if WS_IMPORT_ERROR is not None or env.interpreting() or not a.is_cuda or env.capability(a.device) != (9, 0):
         return False
     return ws_operands_fit(a, b, c, bias, activation, z)
 
@@ -284,5 +288,19 @@ def ws_launch(a, b, c, bias, num_sms, num_programs=None):
     grid = (min(num_programs or num_sms, tiles),)
     args = (*descs, bias if bias is not None else c, M, N, K)
     kwargs = dict(HAS_BIAS=bias is not None, GROUP_M=GROUP_M, STAGES=STAGES, num_warps=NUM_WARPS)
-    compiled = _matmul_ws_kernel[grid](*args, **kwargs)
-    return _matmul_ws_kernel, compiled, grid, args, kwargs
+    compiled = matmul_ws_kernel[grid](*args, **kwargs)
+    return matmul_ws_kernel, compiled, grid, args, kwargs
+
+
+def launch(a, b, c, bias=None):
+    """c = a @ b (+ bias) on this kernel (the caller, matmul.plan, checked ws_eligible). Returns
+    a replay function `(a, b, c, bias, z)` for new tensors of the same signature (launch.py),
+    which passes `lean_descriptors` instead of building TensorDescriptors again, or None."""
+    jit_fn, compiled, grid, args, kwargs = ws_launch(a, b, c, bias, env.num_sms(a.device))
+    remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=6)
+    if remembered is None:
+        return None
+
+    def replay(a, b, c, bias, z):  # five host-built descriptors, then the bias
+        remembered(a.device.index, *lean_descriptors(a, b, c), bias if bias is not None else c)
+    return replay
