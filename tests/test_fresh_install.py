@@ -7,6 +7,7 @@ added to sys.path without running the .pth files inside it, so the checkout's ed
 never loads. The test asserts that mpgpt is imported from the wheel.
 """
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -23,7 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def fresh_python(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fresh")
     wheels = tmp / "wheels"
-    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(ROOT)]
+    src = tmp / "src"  # a copy, so the build's scratch folders never land in the checkout
+    shutil.copytree(ROOT / "mpgpt", src / "mpgpt", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(src)]
     try:
         import setuptools  # noqa: F401  (present: build without fetching a build environment)
         build.insert(4, "--no-build-isolation")

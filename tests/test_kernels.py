@@ -687,7 +687,7 @@ def test_matmul_runs_what_plan_says(fake_gpu, monkeypatch):
 
 def test_every_capability_decision_goes_through_env_capability():
     """So that patching env.capability alone fakes the GPU generation: outside env.py no module of
-    mpgpt.kernels asks torch for the capability (kernels/bench.py only records it in its result
+    mpgpt.kernels asks torch for the capability (mpgpt/bench/kernels.py only records it in its result
     file's environment), and none imports env's device functions by name (a patch of the module
     attribute would not reach such a copy)."""
     import mpgpt.kernels as pkg

@@ -17,7 +17,7 @@ from mpgpt import plots  # noqa: E402
 
 
 def fake_results(kernels=("grouped", "tma"), date="2026-01-02T00:00:00+00:00", gpu="Test GPU"):
-    """A kernel benchmark result shaped like mpgpt/kernels/bench.py's, with random timings."""
+    """A kernel benchmark result shaped like mpgpt/bench/kernels.py's, with random timings."""
     rng = random.Random()
     rows = []
     for label, M, N, K in [("a", 128, 256, 64), ("b", 4096, 4096, 4096), ("c", 1000, 3, 7)]:

@@ -1,7 +1,7 @@
 """Benchmark the Triton kernels against cuBLAS (chapter 6).
 
-    python -m mpgpt.bench kernels            # or: python -m mpgpt.kernels.bench
-    python -m mpgpt.kernels.bench --out-dir /tmp/results --kernels grouped,tma
+    python -m mpgpt.bench kernels
+    python -m mpgpt.bench kernels --out-dir results --kernels grouped,tma
 
 Three measurements, all bf16 on random inputs (never zeros: they run faster than real data),
 each the median of `triton.testing.do_bench` (CUDA events; do_bench also clears the L2 cache
@@ -16,29 +16,28 @@ between runs so we do not time the cache):
 3. TritonLinear forward + backward against nn.Linear (+ nn.GELU), under bf16 autocast with fp32
    parameters, as in training.
 
-Prints a table and writes benchmarks/results/kernels_<gpu>_<date>.json with the GPU, driver,
-CUDA, torch and triton versions, the date and the exact command.
+Prints a table and writes kernels_<gpu>_<date>.json into --out-dir (default: the current folder)
+with the GPU, driver, CUDA, torch and triton versions, the date, the command and the commit
+(mpgpt.results). The record chapter 6 shows is mpgpt.results.load_record("kernels-h200").
 """
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import shlex
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import env as kenv
-from . import grouped, tma, ws
-from .linear import TritonLinear
-from .matmul import matmul, plan
+from mpgpt.kernels import env as kenv
+from mpgpt.kernels import grouped, tma, ws
+from mpgpt.kernels.linear import TritonLinear
+from mpgpt.kernels.matmul import matmul, plan
+from mpgpt.results import environment as base_environment
+from mpgpt.results import write_result
 
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 GPT2_SHAPES = [  # (label, M, N, K)
     ("c_attn", 12288, 2304, 768),
     ("attn.c_proj", 12288, 768, 768),
@@ -56,10 +55,8 @@ LINEAR_SHAPES = [  # (label, in, out, activation)
 
 
 def environment(argv) -> dict:
-    """mpgpt.bench's record (GPU, driver, CUDA, torch, triton, date, command) plus the GPU's shape."""
-    from mpgpt.bench import environment as base_environment
-
-    env = base_environment(command="python -m mpgpt.kernels.bench " + " ".join(shlex.quote(a) for a in argv))
+    """mpgpt.results' environment (GPU, driver, CUDA, torch, triton, date, command, commit) plus the GPU's shape."""
+    env = base_environment(command=shlex.join(["python", "-m", "mpgpt.bench", "kernels", *argv]))
     props = torch.cuda.get_device_properties(0)
     env["compute_capability"] = list(torch.cuda.get_device_capability(0))
     env["multiprocessors"] = props.multi_processor_count
@@ -189,16 +186,16 @@ def bench_linear(M=12288):
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m mpgpt.bench kernels", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="where the JSON result goes")
+    parser.add_argument("--out-dir", default=".", help="where the JSON result goes (default: the current folder)")
     parser.add_argument("--kernels", default="grouped,tma,ws,auto",
                         help="comma-separated: grouped, tma (Hopper only), ws (sm_90 only), auto")
-    parser.add_argument("--tag", default="kernels", help="file name prefix of the result file")
+    parser.add_argument("--tag", default=None, help="appended to the file name, so two runs on one day both stay")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: matmul, fused, triton (TritonLinear fwd+bwd)")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
-        print("The kernel benchmark needs a CUDA GPU (compute capability >= 8.0); recorded results are "
-              f"in {RESULTS_DIR}.")
+        print("The kernel benchmark needs a CUDA GPU (compute capability >= 8.0); the recorded results are "
+              "mpgpt.results.load_record('kernels-h200').")
         return 1
     cc = kenv.capability(torch.device("cuda", torch.cuda.current_device()))
     if cc < (8, 0):
@@ -214,10 +211,8 @@ def main(argv=None) -> int:
     env = environment(argv)
     print(f"{env['gpu']} | driver {env['driver']} | CUDA {env['cuda']} | torch {env['torch']} | "
           f"triton {env['triton']}", flush=True)
-    result = {"environment": env, "kernels": kernels}
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    slug = re.sub(r"[^a-z0-9]+", "-", env["gpu"].lower()).strip("-")
-    path = args.out_dir / f"{args.tag}_{slug}_{env['date'][:10]}.json"
+    result = {"kernels": kernels, "compute_capability": list(cc)}
+    path = None
     parts = [("matmul", lambda: bench_matmul(kernels, GPT2_SHAPES + SQUARE_SHAPES)),
              ("fused_bias_gelu", lambda: bench_fused([k for k in kernels if k != "ws"])),  # ws: no activation
              ("triton_linear_fwd_bwd", bench_linear)]
@@ -227,7 +222,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         result[name] = run()
         result.setdefault("wall_s", {})[name] = round(time.perf_counter() - t0, 1)
-        path.write_text(json.dumps(result, indent=1) + "\n")  # after each part: a timeout keeps the rest
+        # after each part: a run cut short by a time limit keeps what it measured
+        path = write_result("kernels", result, args.out_dir, tag=args.tag, command=env["command"])
     print(f"wrote {path}")
     return 0
 
