@@ -10,18 +10,21 @@ made the same decisions (same scale after every step).
     python benchmarks/scaler_overhead.py                                 # CPU: a small MLP stack
     python benchmarks/scaler_overhead.py --device cuda --preset gpt2     # GPU: GPT-2 small, fp16 autocast
 
-Writes benchmarks/results/scaler_overhead_<device>.json with the torch version, device name, date and
-command. ``--preset gpt2|small|tiny`` uses mpgpt.model.GPT when it imports; otherwise (or with the
-default ``--preset mlp``) a stack of MLP blocks of similar width stands in.
+Writes ``scaler-overhead_<machine>_<date>[_<tag>].json`` into ``--out-dir`` (default: the current
+folder) through mpgpt.results.write_result, whose ``environment`` holds the GPU or CPU, the torch,
+CUDA and triton versions, the date, the command and the code commit; compare it with the records
+``scaler-overhead-cpu`` and ``scaler-overhead-h200`` (mpgpt.results.load_record).
+``--preset gpt2|small|tiny`` uses mpgpt.model.GPT when it imports; otherwise (or with the default
+``--preset mlp``) a stack of MLP blocks of similar width stands in.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
+import importlib.util
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -31,9 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+if importlib.util.find_spec("mpgpt") is None:  # not installed: run from a checkout as it is
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mpgpt.results import write_result  # noqa: E402
 from mpgpt.scaling import DynamicLossScaler  # noqa: E402
 
 MLP_WIDTH = {"mlp": (256, 4), "tiny": (128, 4), "small": (384, 6), "gpt2": (768, 12)}  # (width, blocks)
@@ -132,7 +136,8 @@ def main(argv=None):
     p.add_argument("--block-size", type=int, default=None, help="sequence length for GPT presets")
     p.add_argument("--autocast", choices=["none", "fp16", "bf16"], default=None,
                    help="default: fp16 on cuda (the case loss scaling exists for), none on cpu")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out-dir", default=".", help="where the JSON result goes (default: the current folder)")
+    p.add_argument("--tag", default=None, help="appended to the file name, so two runs on one day both stay")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if args.batch_size is None:
@@ -172,15 +177,10 @@ def main(argv=None):
     print(f"ratio mpgpt/torch: whole step {ratio_step:.3f}, scaler part {ratio_scaler:.3f}; "
           f"same scale every step: {same} (final {times['mpgpt']['scales'][-1]:g})")
 
-    result = {
+    payload = {
         "benchmark": "scaler_overhead",
-        "command": " ".join(["python", *sys.argv]) if argv is None else " ".join(["python", __file__, *argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
         "device": device.type,
         "device_name": device_name(device),
-        "cpu_threads": torch.get_num_threads(),
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,  # other work on the box
         "preset": args.preset,
         "model": description,
@@ -194,10 +194,10 @@ def main(argv=None):
         "same_scale_every_step": same,
         "final_scale": times["mpgpt"]["scales"][-1],
     }
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"scaler_overhead_{device.type}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    command = shlex.join(["python", "benchmarks/scaler_overhead.py", *(sys.argv[1:] if argv is None else argv)])
+    out = write_result("scaler-overhead", payload, out_dir=args.out_dir, tag=args.tag, command=command)
     print(f"wrote {out}")
+    result = {"path": str(out), **payload}
     return result
 
 

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Re-measure the single-GPU records on one CUDA GPU of compute capability 8.0 or newer:
+#   kernels-h200          python -m mpgpt.bench kernels
+#   train-h200            python -m mpgpt.bench train (the full ladder, largest batch, profile, real run)
+#   train-h200-rerun      python -m mpgpt.bench train (the scaler rows again, tag "rerun")
+#   scaler-overhead-h200  python benchmarks/scaler_overhead.py --device cuda --preset gpt2
+#
+# Needs only the package installed from the repository (`pip install .`) and a GPU.
+#   bash benchmarks/reproduce-1gpu.sh [OUT_DIR]      # OUT_DIR defaults to ./results
+# Writes into OUT_DIR: one JSON result per benchmark (<kind>_<machine>_<date>[_<tag>].json),
+# a log per benchmark, the commands run (commands.txt), nvidia-smi and nvidia-smi topo -m.
+# The kernel autotuning and the largest-batch sweep take most of the time.
+# PYTHON picks the interpreter (default: python).
+set -euo pipefail
+
+out="${1:-./results}"
+py="${PYTHON:-python}"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+mkdir -p "$out"
+
+# The code commit each result records: the checkout this script sits in, unless MPGPT_COMMIT is set.
+# (It describes the installed package only if that was installed from this checkout as it is now.)
+if [ -z "${MPGPT_COMMIT:-}" ] && commit="$(git -C "$here" rev-parse HEAD 2>/dev/null)"; then
+    export MPGPT_COMMIT="$commit"
+fi
+
+run() {  # run NAME CMD...: print the command, keep it in commands.txt, log its output to NAME.log
+    local name="$1"
+    shift
+    printf '\n+ %s\n' "$*" | tee -a "$out/commands.txt"
+    "$@" 2>&1 | tee "$out/$name.log"
+}
+
+printf '# %s %s %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$0" "$*" >> "$out/commands.txt"
+echo "results go to $out (code commit recorded: ${MPGPT_COMMIT:-none; the mpgpt version is recorded instead})"
+nvidia-smi | tee "$out/nvidia-smi.txt"
+nvidia-smi topo -m > "$out/nvidia-smi-topo.txt"
+"$py" - <<'EOF'
+import sys
+
+import torch
+
+import mpgpt
+
+if not torch.cuda.is_available():
+    sys.exit("reproduce-1gpu.sh: torch sees no CUDA GPU")
+major, minor = torch.cuda.get_device_capability(0)
+if (major, minor) < (8, 0):
+    sys.exit(f"reproduce-1gpu.sh: {torch.cuda.get_device_name(0)} is sm_{major}{minor}; the bf16 Triton kernels need sm_80+")
+print(f"mpgpt {mpgpt.__version__} from {mpgpt.__file__}; torch {torch.__version__}; {torch.cuda.get_device_name(0)} (sm_{major}{minor})")
+EOF
+
+# Chapter 6: Triton matmul kernels against cuBLAS, fused bias+GELU, TritonLinear (record kernels-h200).
+run kernels "$py" -m mpgpt.bench kernels --out-dir "$out"
+
+# Chapters 3, 5 and 7: the training ladder, GPT-2 small at batch 12 x 1024 (record train-h200).
+run train "$py" -m mpgpt.bench train \
+    --configs fp32,tf32,fp16,fp16-gradscaler,bf16,bf16+compile,fp16+compile,bf16+compile+triton \
+    --warmup 10 --steps 30 --max-batch-config bf16 --profile bf16+compile \
+    --real-run-config bf16+compile --real-steps 150 --out-dir "$out"
+
+# Chapter 7: the loss-scaler rows measured again, next to bf16 (record train-h200-rerun).
+run train-rerun "$py" -m mpgpt.bench train \
+    --configs fp16,fp16-gradscaler,bf16,fp16+compile,bf16+compile \
+    --warmup 10 --steps 30 --out-dir "$out" --tag rerun
+
+# Chapter 5: DynamicLossScaler against torch.amp.GradScaler, GPT-2 small, fp16 (record scaler-overhead-h200).
+run scaler-overhead "$py" "$here/scaler_overhead.py" --device cuda --preset gpt2 --out-dir "$out"
+
+echo
+echo "done; results in $out:"
+ls -1 "$out"
