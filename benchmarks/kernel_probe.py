@@ -1,13 +1,13 @@
 """Where does a small Triton matmul's time go: the GPU, or the Python host path?
 
 For the GPT-2 shapes with N = 768 (attn.c_proj, mlp.c_proj) this prints, per path:
-  - do_bench median of the public wrapper `matmul` (what mpgpt.kernels.bench records),
+  - do_bench median of the public wrapper `matmul` (what `python -m mpgpt.bench kernels` records),
   - the same with the wrapper's checks skipped (`_matmul_2d`),
   - the kernel alone: the wrapper captured once in a CUDA graph and replayed (no host work),
   - host time per call: 2000 calls back to back, no synchronisation inside, divided by 2000,
 and torch.matmul (cuBLAS) the same ways. With --host-profile it also prints where the host time
 of `matmul()` goes: cProfile over 1000 calls at attn.c_proj's shape, the functions with the most
-own time. Run on a GPU: python benchmarks/kernel_probe.py [OUT.json] [--host-profile]
+own time. Run on a GPU: python benchmarks/kernel_probe.py [OUT_DIR] [--host-profile]
 """
 import cProfile
 import io
@@ -85,9 +85,8 @@ def main():
     args = [x for x in sys.argv[1:] if not x.startswith("--")]
     out = args[0] if args else None
     if out:
-        from mpgpt.bench import environment
-        with open(out, "w") as f:
-            json.dump({"environment": environment(), "rows": rows}, f, indent=2)
+        from mpgpt.results import write_result
+        print("wrote", write_result("kernel-probe", {"rows": rows}, out, command=" ".join(["python", *sys.argv])))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""Where does TritonLinear's forward+backward time go? (session 5, issue 3)
+"""Where does TritonLinear's forward+backward time go?
 
-Session 3 measured TritonLinear forward+backward at 0.33-0.90x of nn.Linear (+GELU) under bf16
-autocast (`python -m mpgpt.bench kernels`), worst on the smallest layer, attn.c_proj. This probe
+The kernel benchmark (`python -m mpgpt.bench kernels`) measures TritonLinear forward+backward below
+nn.Linear (+GELU) under bf16 autocast, worst on the smallest layer, attn.c_proj. This probe
 splits each step's time, for both layers, into:
   - wall time per step (20 steps back to back, one synchronisation at the end),
   - host time per step (the same 20 steps with the GPU kept busy first, so Python never waits),
@@ -10,7 +10,7 @@ then times the two gradient GEMMs' layouts alone (dX = dY W: B row-major; dW = d
 transposed, K = tokens) on the grouped and the TMA kernel and cuBLAS, as CUDA-graph replays.
 With --profile it also prints where the host time of one TritonLinear step goes at attn.c_proj:
 cProfile over 50 steps, backward run on the calling thread so that cProfile sees it.
-Run on a GPU: python benchmarks/linear_probe.py [OUT.json] [--profile]
+Run on a GPU: python benchmarks/linear_probe.py [OUT_DIR] [--profile]  (writes linear-probe_<gpu>_<date>.json)
 """
 import cProfile
 import io
@@ -23,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench_cudagraph
 
-from mpgpt.kernels.bench import LINEAR_SHAPES, linear_case
+from mpgpt.bench.kernels import LINEAR_SHAPES, linear_case
 from mpgpt.kernels.matmul import _matmul_2d
 
 M = 12288
@@ -127,9 +127,8 @@ def main():
             print(f"   {label:12s} {name:28s} {us:8.2f} us (graph replay)", flush=True)
     out = [a for a in sys.argv[1:] if not a.startswith("--")]
     if out:
-        from mpgpt.bench import environment
-        with open(out[0], "w") as fh:
-            json.dump({"environment": environment(), "command": " ".join(sys.argv), "M": M, "rows": rows}, fh, indent=1)
+        from mpgpt.results import write_result
+        print("wrote", write_result("linear-probe", {"M": M, "rows": rows}, out[0], command=" ".join(["python", *sys.argv])))
 
 
 if __name__ == "__main__":

@@ -179,9 +179,6 @@ def main(argv=None):
 
     payload = {
         "benchmark": "scaler_overhead",
-        "device": device.type,
-        "device_name": device_name(device),
-        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,  # other work on the box
         "preset": args.preset,
         "model": description,
         "autocast": autocast,
@@ -195,7 +192,10 @@ def main(argv=None):
         "final_scale": times["mpgpt"]["scales"][-1],
     }
     command = shlex.join(["python", "benchmarks/scaler_overhead.py", *(sys.argv[1:] if argv is None else argv)])
-    out = write_result("scaler-overhead", payload, out_dir=args.out_dir, tag=args.tag, command=command)
+    machine = {"device": device.type, "device_name": device_name(device),
+               "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}  # other work on the box
+    out = write_result("scaler-overhead", payload, out_dir=args.out_dir, tag=args.tag, command=command,
+                       environment_extra=machine)
     print(f"wrote {out}")
     result = {"path": str(out), **payload}
     return result

@@ -1,18 +1,21 @@
 """mpgpt: mixed-precision GPT training from scratch — the package every chapter of the course imports.
 
-Map of the package (leaves first; each module's docstring names the chapter that teaches it):
+Map of the package, in layers: each module imports only from the layers above it in this list
+(tests/test_layering.py checks it). Each module's docstring names the chapter that teaches it.
 
     formats      bit-level views of fp32 / fp16 / bf16 / fp8                      chapter 1
-    model        GPTConfig and GPT, the fp32 reference model                      chapter 2
     data         character tokenizer, the embedded corpus, loaders                chapter 2
     precision    precision policies, device defaults, fp32 master weights         chapter 3
-    scaling      static and dynamic loss scalers, written from scratch            chapters 4, 5
+    scaling      loss scalers written from scratch, and make_scaler               chapters 4, 5
     checkpoint   atomic save and verified load                                    chapter 5
-    kernels      Triton bf16 matmul with a fused epilogue, TritonLinear           chapter 6
-    train        the training loop and the `python -m mpgpt.train` CLI            chapters 2-5
     fused_loss   output layer + cross-entropy in chunks, never the full logits    chapter 7
-    bench        benchmarks that write versioned result files                     chapters 6, 7
-    distributed  DDP / FSDP2 wiring and rank-agreed overflow decisions            chapter 8
+    results      the benchmark result format; curated records shipped inside      chapters 6-8
+    model        GPTConfig and GPT, the fp32 reference model; peak FLOP/s, MFU    chapters 2, 7
+    kernels      Triton matmul kernels, plan(), TritonLinear                      chapter 6
+    trainer      TrainConfig, History, Trainer: the step, the loop, checkpoints   chapters 2-5
+    distributed  DDP / FSDP2 on top of the trainer, rank-agreed overflow          chapter 8
+    train        train() and the `python -m mpgpt.train` command line             chapters 2-5
+    bench        `python -m mpgpt.bench train|kernels|ddp`                        chapters 6-8
     plots        figures and widgets the chapters share                           all
 
 Names are imported lazily so that `import mpgpt` stays fast and works where Triton is missing.

@@ -125,14 +125,16 @@ def machine_slug(env: dict) -> str:
     return re.sub(r"[^a-z0-9]+", "-", (env.get("gpu") or "cpu").lower()).strip("-")
 
 
-def write_result(kind: str, payload: dict, out_dir=None, tag: str | None = None, command: str | None = None) -> Path:
+def write_result(kind: str, payload: dict, out_dir=None, tag: str | None = None, command: str | None = None,
+                 environment_extra: dict | None = None) -> Path:
     """Write ``{environment, **payload}`` to ``<out_dir>/<kind>_<machine>_<date>[_<tag>].json``.
 
-    ``out_dir`` defaults to the current folder. The file is written whole or not at all (a temporary
+    ``out_dir`` defaults to the current folder; ``environment_extra`` adds facts about the machine
+    (say the CPU model) to the environment. The file is written whole or not at all (a temporary
     file, then a rename), and an existing file of the same name is replaced."""
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]*", kind) or (tag is not None and not re.fullmatch(r"[A-Za-z0-9.-]+", tag)):
         raise ValueError(f"kind and tag may hold letters, digits, '.' and '-' only; got {kind!r}, {tag!r}")
-    env = environment(command)
+    env = {**environment(command), **(environment_extra or {})}
     out = Path(out_dir) if out_dir is not None else Path.cwd()
     out.mkdir(parents=True, exist_ok=True)
     name = f"{kind}_{machine_slug(env)}_{env['date'][:10]}" + (f"_{tag}" if tag else "") + ".json"

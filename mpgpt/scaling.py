@@ -36,7 +36,7 @@ Design points the chapters explain:
   inf/nan flag as ``optimizer.found_inf`` and skip their own update on the device, as GradScaler
   arranges it: then ``step()`` needs no sync at all. On an H200 (GPT-2 small, fp16, eager) the
   sync cost 2.9 ms of a 37 ms step: the GPU idles while Python waits for the flag and then
-  launches the next step (benchmarks/results/train_nvidia-h200_2026-11-30.json, rows fp16 and
+  launches the next step (mpgpt.results.load_record("train-h200"), rows fp16 and
   fp16-gradscaler). The gradients are still unscaled by us first, in one pass, so that clipping
   sees true gradients.
 
