@@ -293,12 +293,14 @@ def test_use_triton_swaps_layers_and_keeps_parameters():
     if not hasattr(kernels, "TritonLinear"):
         pytest.skip("mpgpt.kernels has no TritonLinear yet")
     TritonLinear = kernels.TritonLinear
-    model = GPT(small_config())
+    # The kernels run on CUDA tensors on a GPU machine and interpreted on CPU tensors without one.
+    dev = "cpu" if kernels.interpreting() else "cuda"
+    model = GPT(small_config()).to(dev)
     keys = list(model.state_dict())
     params = {name: p for name, p in model.named_parameters()}
-    idx = torch.randint(0, 65, (2, 16))
+    idx = torch.randint(0, 65, (2, 16), device=dev)
     ref, _ = model(idx)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(dev, dtype=torch.bfloat16):
         ref_bf16, _ = model(idx)
 
     model.use_triton()
@@ -315,7 +317,7 @@ def test_use_triton_swaps_layers_and_keeps_parameters():
     # own error (2^-8 relative per rounding); 1e-2 relative catches a missing GELU or bias.
     out, _ = model(idx)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(dev, dtype=torch.bfloat16):
         out_bf16, _ = model(idx)
     rel = (out_bf16.float() - ref_bf16.float()).norm() / ref_bf16.float().norm()
     assert rel < 1e-2, f"relative error {rel:.2e}"

@@ -116,6 +116,7 @@ def test_gradient_accumulation_matches_one_big_batch():
     a = Trainer(_cfg(steps=1, batch_size=8, grad_accum=1))
     b = Trainer(_cfg(steps=1, batch_size=4, grad_accum=2))
     x, y = a.data.get_batch("train", 8, a.block_size, generator=torch.Generator().manual_seed(0))
+    x, y = x.to(a.device), y.to(a.device)  # the trainers run on the GPU where there is one
     a.batch = lambda split: (x, y)
     halves = iter([(x[:4], y[:4]), (x[4:], y[4:])])
     b.batch = lambda split: next(halves)
