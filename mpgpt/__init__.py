@@ -38,7 +38,7 @@ _EXPORTS = {
     "CharTokenizer": "data", "TextDataset": "data", "default_corpus": "data", "load_text": "data",
     "StaticLossScaler": "scaling", "DynamicLossScaler": "scaling",
     "PrecisionPolicy": "precision", "resolve_precision": "precision",
-    "TrainConfig": "trainer", "History": "trainer", "Trainer": "trainer", "train": "train",
+    "TrainConfig": "trainer", "History": "trainer", "Trainer": "trainer",
 }
 
 __all__ = sorted(_EXPORTS)

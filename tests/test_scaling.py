@@ -639,3 +639,38 @@ def test_base_class_is_abstract():
     s = BaseLossScaler(8.0)
     with pytest.raises(NotImplementedError):
         _drive(s, "F")
+
+
+# ------------------------------------------------------------------------------ make_scaler
+
+
+def test_make_scaler_picks_by_name_and_policy():
+    from mpgpt.precision import resolve_precision
+    from mpgpt.scaling import GradScalerAdapter, NullScaler, make_scaler
+
+    fp16, fp32 = resolve_precision("fp16", "cpu"), resolve_precision("fp32", "cpu")
+    assert isinstance(make_scaler("auto", fp16, "cpu"), DynamicLossScaler)
+    assert isinstance(make_scaler("auto", fp32, "cpu"), NullScaler)
+    static = make_scaler("static", fp16, "cpu", static_scale=2.0**7)
+    assert isinstance(static, StaticLossScaler) and static.get_scale() == 2.0**7
+    dynamic = make_scaler("dynamic", fp32, "cpu", init_scale=2.0**5, growth_interval=3)
+    assert dynamic.get_scale() == 2.0**5
+    assert isinstance(make_scaler("gradscaler", fp16, "cpu"), GradScalerAdapter)
+    with pytest.raises(ValueError, match="choose one of auto, dynamic, static, gradscaler, none"):
+        make_scaler("amp", fp16, "cpu")
+
+
+def test_gradscaler_adapter_speaks_the_protocol_and_resumes():
+    from mpgpt.scaling import GradScalerAdapter
+
+    p = torch.nn.Parameter(torch.randn(5, generator=torch.Generator().manual_seed(3)))
+    opt = torch.optim.SGD([p], lr=0.1)
+    a = GradScalerAdapter("cpu")
+    a.inner = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1)
+    a.scale((p * p).sum()).backward()
+    a.step(opt)
+    a.update()
+    assert a.get_scale() == 2.0**5  # one clean step with growth_interval 1: doubled
+    b = GradScalerAdapter("cpu")
+    b.load_state_dict(a.state_dict())
+    assert b.get_scale() == a.get_scale()
