@@ -143,3 +143,27 @@ def test_the_check_catches_a_planted_problem(planted):
     found = "\n".join(problems(edges))
     for text in expected:
         assert text in found, found
+
+
+def test_notebooks_use_only_public_names_of_the_package():
+    # What a chapter calls is what a learner copies: private helpers may change without notice.
+    import re
+
+    import nbformat
+
+    modules = "|".join(["mpgpt", "plots", "kernels", "bench", "results", "formats", "scaling", "data", "precision",
+                        "model", "trainer", "train", "distributed", "checkpoint", "env"])
+    attribute = re.compile(rf"\b({modules})\.(_[A-Za-z]\w*)")
+    private_import = re.compile(r"from mpgpt[\w.]* import ([^\n]+)")
+    found = []
+    for path in sorted((PACKAGE.parent / "notebooks").glob("*.ipynb")):
+        for index, cell in enumerate(nbformat.read(path, as_version=4).cells):
+            if cell.cell_type != "code":
+                continue
+            for m in attribute.finditer(cell.source):
+                if not m.group(2).startswith("__"):  # mpgpt.__file__, __version__ are public
+                    found.append(f"{path.name} cell {index}: {m.group(0)}")
+            for m in private_import.finditer(cell.source):
+                if re.search(r"(^|[\s,(])_\w", m.group(1)):
+                    found.append(f"{path.name} cell {index}: {m.group(0)}")
+    assert not found, "\n".join(found)
