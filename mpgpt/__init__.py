@@ -1,7 +1,8 @@
 """mpgpt: mixed-precision GPT training from scratch — the package every chapter of the course imports.
 
-Map of the package, in layers: each module imports only from the layers above it in this list
-(tests/test_layering.py checks it). Each module's docstring names the chapter that teaches it.
+Map of the package, in layers: each module imports only from the layers above it in this list,
+the first seven (the leaves) from no other mpgpt module, and model reaches down to kernels only
+inside GPT.use_triton, since Triton is optional (tests/test_layering.py checks all of it). Each module's docstring names the chapter that teaches it.
 
     formats      bit-level views of fp32 / fp16 / bf16 / fp8                      chapter 1
     data         character tokenizer, the embedded corpus, loaders                chapter 2

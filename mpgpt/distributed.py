@@ -5,7 +5,7 @@ Launch the ordinary trainer with torchrun; it notices the environment torchrun s
     torchrun --nproc_per_node=2 -m mpgpt.train --precision bf16 --batch-size 8          # DDP
     torchrun --nproc_per_node=2 -m mpgpt.train --precision bf16 --batch-size 8 --fsdp   # FSDP2
 
-What changes against one process (:class:`DistributedTrainer`, a subclass of ``mpgpt.train.Trainer``):
+What changes against one process (:class:`DistributedTrainer`, a subclass of ``mpgpt.trainer.Trainer``):
 
 * **Data.** ``--batch-size`` is per rank; the *global* batch is ``batch_size × world_size``
   sequences. Every rank draws the same global batch from the same generator (seeded with
@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from mpgpt.checkpoint import check_global_batch, save_checkpoint
+from mpgpt.scaling import GradScalerAdapter
 from mpgpt.trainer import Trainer, TrainConfig
 
 __all__ = ["DistEnv", "dist_env", "init_distributed", "agree_found_inf", "DistributedTrainer",
@@ -157,7 +158,11 @@ class DistributedTrainer(Trainer):
         device = f"cuda:{self.env.local_rank}" if device_type == "cuda" else "cpu"
         cfg = dataclasses.replace(cfg, device=device, progress=cfg.progress and self.env.is_main)
         super().__init__(cfg, model=model, dataset=dataset)  # same seed on every rank: same initial weights
-        if hasattr(self.scaler, "found_inf_reducer"):
+        if isinstance(self.scaler, GradScalerAdapter):
+            # torch.amp.GradScaler decides skips per rank: with FSDP's shards the ranks would drift apart.
+            raise ValueError("scaler 'gradscaler' cannot agree on overflows across ranks; use --scaler dynamic "
+                             "(or auto) under torchrun")
+        if hasattr(self.scaler, "found_inf_reducer"):  # our scalers; NullScaler never skips
             self.scaler.found_inf_reducer = agree_found_inf
         if cfg.fsdp:
             self._shard()

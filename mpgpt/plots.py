@@ -223,7 +223,7 @@ def plot_loss_curves(runs, floors=None, *, smooth: int = 1, logy: bool = False, 
                      title: str = "Training loss", ylabel: str = "loss (nats per token)") -> Figure:
     """Loss curves of one or more runs, with horizontal reference lines ("floors").
 
-    ``runs`` maps a label to a :class:`mpgpt.train.History` (training loss per step, and its
+    ``runs`` maps a label to a :class:`mpgpt.trainer.History` (training loss per step, and its
     validation losses drawn as dots) or to a ``(steps, losses)`` pair. ``floors`` maps a label to a
     loss value drawn as a dashed line, e.g. the corpus's entropy rate. ``smooth`` > 1 shows a
     trailing moving average of that many steps over the raw curve (drawn faint). Pass ``ax`` to
@@ -373,7 +373,7 @@ def plot_gradient_exponents(samples, fmt="fp16", *, bins: int = 80, xlim=None, t
 def plot_loss_scale(scale, skipped, *, loss=None, steps=None, title: str = "Dynamic loss scale") -> Figure:
     """The loss scale per step on a log2 axis, with skipped (overflowed) steps marked by red crosses.
 
-    ``scale`` and ``skipped`` are per-step lists (a :class:`mpgpt.train.History` has both), the
+    ``scale`` and ``skipped`` are per-step lists (a :class:`mpgpt.trainer.History` has both), the
     scale being the value *after* that step's update. With ``loss`` a second panel shows the loss,
     skipped steps marked on it too (a skipped step's loss may be inf or nan: then it is not drawn).
     """

@@ -19,9 +19,7 @@ import json
 import os
 import platform
 import re
-import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -39,6 +37,17 @@ RECORDS = {
     "ddp-h200x2": "DDP and FSDP2 on 1 and 2 H200s: tokens/s and scaling efficiency (chapter 8)",
     "ddp-h200x2-variants": "DDP bucket sizes and compiled graphs on 2 H200s, one recording per run (chapter 8)",
 }
+
+
+_NAME = r"[A-Za-z0-9][A-Za-z0-9.-]*"
+
+
+def check_tag(tag: str) -> str:
+    """A --tag value as it may appear in a file name; argparse's ``type=`` for the benchmarks, so a
+    bad tag is refused before a long run rather than after it."""
+    if not re.fullmatch(_NAME, tag):
+        raise ValueError(f"tag {tag!r} may hold letters, digits, '.' and '-' only")
+    return tag
 
 
 def load_record(name: str) -> dict:
@@ -75,10 +84,14 @@ def code_commit() -> str | None:
     if not (root / ".git").exists():
         return None
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", "mpgpt"],
+                                capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    commit = head.stdout.strip()
+    # Uncommitted changes to the package: the numbers came from code that no commit holds.
+    return (commit + "-dirty" if status.stdout.strip() else commit) or None
 
 
 def environment(command: str | None = None) -> dict:
@@ -87,7 +100,7 @@ def environment(command: str | None = None) -> dict:
 
     env = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": command if command is not None else shlex.join(["python", "-m", "mpgpt.bench", *sys.argv[1:]]),
+        "command": command if command is not None else "(called from Python, not a command line)",
         "commit": code_commit(),
         "mpgpt": __version__,
         "python": platform.python_version(),
@@ -132,7 +145,7 @@ def write_result(kind: str, payload: dict, out_dir=None, tag: str | None = None,
     ``out_dir`` defaults to the current folder; ``environment_extra`` adds facts about the machine
     (say the CPU model) to the environment. The file is written whole or not at all (a temporary
     file, then a rename), and an existing file of the same name is replaced."""
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]*", kind) or (tag is not None and not re.fullmatch(r"[A-Za-z0-9.-]+", tag)):
+    if not re.fullmatch(_NAME, kind) or (tag is not None and not re.fullmatch(_NAME, tag)):
         raise ValueError(f"kind and tag may hold letters, digits, '.' and '-' only; got {kind!r}, {tag!r}")
     env = {**environment(command), **(environment_extra or {})}
     out = Path(out_dir) if out_dir is not None else Path.cwd()

@@ -16,7 +16,7 @@ One step, whatever the precision policy (mpgpt.precision) and loss scaler (mpgpt
 :class:`TrainConfig` holds everything a run needs, :class:`Trainer` the pieces of a run (model,
 optimizer, scaler, data) so they can be stepped, saved and resumed, and :class:`History` what a run
 measured. The optimizer is built in one place, :meth:`Trainer.build_optimizer`, which
-mpgpt.distributed overrides for FSDP2's sharded parameters. ``python -m mpgpt.train`` (mpgpt.train)
+mpgpt.distributed calls again on FSDP2's sharded parameters. ``python -m mpgpt.train`` (mpgpt.train)
 is the command line on top of this module.
 """
 from __future__ import annotations

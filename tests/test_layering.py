@@ -44,6 +44,26 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def lazy_exports() -> dict:
+    """mpgpt/__init__.py's _EXPORTS: a name importable from mpgpt -> the module that defines it."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def resolve(target: str, name: str) -> str:
+    """``from target import name``: the module meant, 'mpgpt.kernels.env' for a submodule, the
+    defining module for a lazily exported name of mpgpt, else target itself."""
+    candidate = PACKAGE.parent / (target.replace(".", "/") + "/" + name)
+    if candidate.with_suffix(".py").exists() or (candidate / "__init__.py").exists():
+        return f"{target}.{name}"
+    if target == "mpgpt" and name in lazy_exports():
+        return f"mpgpt.{lazy_exports()[name]}"
+    return target
+
+
 def imports_of(path: Path, module: str):
     """(imported mpgpt module, line, at module level?) for every import in the file."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -62,10 +82,7 @@ def imports_of(path: Path, module: str):
                 else:
                     target = child.module or ""
                 if target.split(".")[0] == "mpgpt":
-                    if target == "mpgpt":  # from mpgpt import formats, ...
-                        found.extend([(f"mpgpt.{a.name}", child.lineno, top) for a in child.names])
-                    else:
-                        found.append((target, child.lineno, top))
+                    found.extend([(resolve(target, a.name), child.lineno, top) for a in child.names])
             visit(child, inner)
 
     visit(tree, True)
@@ -89,7 +106,15 @@ def problems(edges) -> list[str]:
             continue
         for target, line, top in imports:
             there = unit_of(target)
-            if not here or not there or there not in LAYERS:
+            where0 = f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}"
+            if not here:
+                if top and there:  # mpgpt/__init__.py runs first for every module: it must stay lazy
+                    found.append(f"{where0} at module level: mpgpt/__init__.py must not import the package")
+                continue
+            if there and there not in LAYERS:
+                found.append(f"{where0}: {there!r} is not a module in the layer table")
+                continue
+            if not there:
                 continue
             where = f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}"
             if here == there:
@@ -119,12 +144,52 @@ def problems(edges) -> list[str]:
     for unit in sorted(units):
         if unit not in state:
             dfs(unit, [unit])
+    # and between single modules, which catches cycles inside mpgpt.kernels or mpgpt.bench too
+    modules = {m: {t for t, _, _ in imports if t != m and t in edges} for m, (_, imports) in edges.items()}
+    state.clear()
+
+    def dfs_modules(node, stack):
+        state[node] = "open"
+        for nxt in sorted(modules.get(node, ())):
+            if state.get(nxt) == "open":
+                found.append("module import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                dfs_modules(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for m in sorted(modules):
+        if m not in state:
+            dfs_modules(m, [m])
     return found
 
 
 def test_the_package_is_layered_without_cycles():
     found = problems(graph())
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from mpgpt.trainer import Trainer", "layer 3 from layer 0"),
+    ("from mpgpt import Trainer", "layer 3 from layer 0"),           # a lazy re-export of mpgpt
+    ("import mpgpt.train as t", "layer 5 from layer 0"),
+    ("def f():\n    from mpgpt import model", "inside a function"),
+])
+def test_the_parser_sees_every_form_of_import(tmp_path, source, expected):
+    # Parsed from source, as the real check does: a leaf (precision) with one planted import.
+    fake = PACKAGE / "precision.py"
+    planted = tmp_path / "precision.py"
+    planted.write_text(fake.read_text(encoding="utf-8") + "\n" + source + "\n", encoding="utf-8")
+    edges = dict(graph())
+    edges["mpgpt.precision"] = (fake, imports_of(planted, "mpgpt.precision"))
+    found = "\n".join(problems(edges))
+    assert expected in found, found
+
+
+def test_a_cycle_inside_a_package_is_found():
+    edges = dict(graph())
+    path, imports = edges["mpgpt.kernels.env"]
+    edges["mpgpt.kernels.env"] = (path, imports + [("mpgpt.kernels.matmul", 1, True)])  # matmul imports env
+    assert "module import cycle" in "\n".join(problems(edges))
 
 
 @pytest.mark.parametrize("planted", ["cycle", "upward", "hidden"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -22,10 +23,26 @@ import torch.distributed as dist
 from mpgpt.bench.training import TRAIN_CONFIGS, SyntheticTokens
 from mpgpt.distributed import DistributedTrainer, dist_env, first_failure, launch
 from mpgpt.model import GPT, GPTConfig
-from mpgpt.results import write_result
+from mpgpt.results import check_tag, write_result
 from mpgpt.trainer import Trainer, TrainConfig
 
 __all__ = ["bench", "worker", "main"]
+
+
+def check_supported(config: str) -> None:
+    """The benchmark runs a TrainConfig with GPT-2's default model; refuse configurations whose other
+    options (biases, attention, clipping, checkpointing, chunked loss, Triton, GradScaler, CUDA graphs)
+    it would silently drop."""
+    if config not in TRAIN_CONFIGS:
+        raise ValueError(f"unknown configuration {config!r}; choose from {', '.join(TRAIN_CONFIGS)}")
+    spec, plain = TRAIN_CONFIGS[config], TRAIN_CONFIGS["bf16"]
+    dropped = [k for k in ("bias", "attention", "clip", "checkpointing", "chunked_loss", "triton")
+               if spec[k] != plain[k]]
+    if spec["scaler"] == "gradscaler" or spec["compile"] not in (None, "default"):
+        dropped.append("scaler" if spec["scaler"] == "gradscaler" else "compile mode")
+    if dropped:
+        raise ValueError(f"configuration {config} sets {', '.join(dropped)}, which the distributed benchmark does not "
+                         "apply; use one of fp32, tf32, fp16, bf16, fp16+compile, bf16+compile")
 
 
 def worker(args) -> None:
@@ -36,8 +53,7 @@ def worker(args) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     spec = TRAIN_CONFIGS[args.config]
-    if spec["scaler"] == "gradscaler" or spec["triton"] or spec["compile"] not in (None, "default"):
-        raise ValueError(f"configuration {args.config} is not supported by the distributed benchmark")
+    check_supported(args.config)
     cfg = TrainConfig(preset=args.preset, precision=spec["precision"], scaler=spec["scaler"],
                       batch_size=args.batch_size, device=str(device), progress=False, sample_tokens=0,
                       steps=10**9, warmup_steps=10, lr=6e-4, fsdp=args.fsdp, compile=spec["compile"] is not None,
@@ -90,9 +106,22 @@ def worker(args) -> None:
 
 
 def bench(preset="gpt2", config="bf16", batch_size=12, block_size=None, nproc=None, warmup=10, steps=30,
-          fsdp=True, out_dir=".", tag=None, bucket_mb=None, whole_graph=False) -> dict:
-    """tokens/s on 1 GPU and on ``nproc`` GPUs (DDP, and FSDP2 if ``fsdp``); scaling efficiency; a JSON file."""
+          fsdp=True, out_dir=".", tag=None, bucket_mb=None, whole_graph=False, command=None) -> dict:
+    """tokens/s on 1 GPU and on ``nproc`` GPUs (DDP, and FSDP2 if ``fsdp``); scaling efficiency; a JSON file.
+
+    ``command`` is what the result records as its command line; by default the equivalent
+    ``python -m mpgpt.bench ddp ...`` of these arguments."""
+    check_supported(config)
+    if tag is not None:
+        check_tag(tag)
     nproc = nproc or max(1, torch.cuda.device_count())
+    if command is None:
+        command = shlex.join(["python", "-m", "mpgpt.bench", "ddp", "--preset", preset, "--config", config,
+                              "--batch-size", str(batch_size), "--nproc", str(nproc), "--warmup", str(warmup),
+                              "--steps", str(steps)] + ([] if fsdp else ["--no-fsdp"])
+                             + (["--block-size", str(block_size)] if block_size else [])
+                             + (["--bucket-mb", str(bucket_mb)] if bucket_mb else [])
+                             + (["--whole-graph"] if whole_graph else []))
     rows = []
     runs = [(1, False)] + ([(nproc, False)] + ([(nproc, True)] if fsdp else []) if nproc > 1 else [])
     for world, use_fsdp in runs:
@@ -126,7 +155,7 @@ def bench(preset="gpt2", config="bf16", batch_size=12, block_size=None, nproc=No
     payload = {"benchmark": "distributed_scaling", "definition": "scaling_efficiency = tokens/s on N GPUs / "
                "(N x tokens/s on 1 GPU); per-GPU batch fixed (weak scaling)", "rows": rows,
                "nccl_env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM_"))}}
-    path = write_result("ddp", payload, out_dir, tag=tag)
+    path = write_result("ddp", payload, out_dir, tag=tag, command=command)
     print(f"wrote {path}")
     return {"path": str(path), **payload}
 
@@ -156,14 +185,19 @@ def main(argv=None) -> int:
     b.add_argument("--steps", type=int, default=30)
     b.add_argument("--no-fsdp", action="store_true", help="measure DDP only")
     b.add_argument("--out-dir", default=".", help="where the JSON result goes (default: the current folder)")
-    b.add_argument("--tag", default=None, help="appended to the file name")
+    b.add_argument("--tag", default=None, type=check_tag, help="appended to the file name")
     b.add_argument("--bucket-mb", type=float, default=None,
                    help="DDP's all-reduce bucket size in MB (default: the trainer's, 25 eager / 100 compiled)")
     b.add_argument("--whole-graph", action="store_true",
                    help="with compile: one graph, not Dynamo's split at DDP buckets (optimize_ddp=False)")
     args = b.parse_args(argv)
+    try:
+        check_supported(args.config)
+    except ValueError as error:
+        b.error(str(error))
     bench(args.preset, args.config, args.batch_size, args.block_size, args.nproc, args.warmup, args.steps,
-          not args.no_fsdp, args.out_dir, args.tag, args.bucket_mb, args.whole_graph)
+          not args.no_fsdp, args.out_dir, args.tag, args.bucket_mb, args.whole_graph,
+          command=shlex.join(["python", "-m", "mpgpt.bench", "ddp", *argv]))
     return 0
 
 

@@ -36,7 +36,7 @@ from mpgpt.kernels import grouped, tma, ws
 from mpgpt.kernels.linear import TritonLinear
 from mpgpt.kernels.matmul import matmul, plan
 from mpgpt.results import environment as base_environment
-from mpgpt.results import write_result
+from mpgpt.results import check_tag, write_result
 
 GPT2_SHAPES = [  # (label, M, N, K)
     ("c_attn", 12288, 2304, 768),
@@ -189,7 +189,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", default=".", help="where the JSON result goes (default: the current folder)")
     parser.add_argument("--kernels", default="grouped,tma,ws,auto",
                         help="comma-separated: grouped, tma (Hopper only), ws (sm_90 only), auto")
-    parser.add_argument("--tag", default=None, help="appended to the file name, so two runs on one day both stay")
+    parser.add_argument("--tag", default=None, type=check_tag,
+                        help="appended to the file name, so two runs on one day both stay")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: matmul, fused, triton (TritonLinear fwd+bwd)")
     args = parser.parse_args(argv)
 
@@ -223,7 +224,8 @@ def main(argv=None) -> int:
         result[name] = run()
         result.setdefault("wall_s", {})[name] = round(time.perf_counter() - t0, 1)
         # after each part: a run cut short by a time limit keeps what it measured
-        path = write_result("kernels", result, args.out_dir, tag=args.tag, command=env["command"])
+        path = write_result("kernels", result, args.out_dir, tag=args.tag, command=env["command"],
+                            environment_extra={"multiprocessors": env["multiprocessors"]})
     print(f"wrote {path}")
     return 0
 

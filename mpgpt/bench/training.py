@@ -10,15 +10,17 @@ nothing is patched into the trainer after it is built.
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from mpgpt.data import TextDataset, default_corpus
 from mpgpt.model import GPT, PEAK_BF16, GPTConfig, mfu, peak_flops
-from mpgpt.results import write_result
+from mpgpt.results import check_tag, write_result
 from mpgpt.trainer import Trainer, TrainConfig
 
 __all__ = ["TRAIN_CONFIGS", "SyntheticTokens", "make_trainer", "bench_train", "real_run", "largest_batch", "main"]
@@ -84,11 +86,12 @@ class SyntheticTokens:
         return self.batches[self.i]
 
 
-def make_trainer(name, preset="gpt2", batch_size=12, block_size=None, device="cuda", checkpointing=False,
+def make_trainer(name, preset="gpt2", batch_size=12, block_size=None, device=None, checkpointing=False,
                  dataset=None, **config):
     """The trainer for TRAIN_CONFIGS[name] on synthetic tokens (or ``dataset``); ``config`` overrides
     TrainConfig fields (e.g. fsdp=True)."""
     spec = TRAIN_CONFIGS[name]
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     fields = dict(preset=preset, precision=spec["precision"], scaler=spec["scaler"],
                   batch_size=batch_size, block_size=block_size, device=str(device),
                   compile=spec["compile"] is not None, compile_mode=spec["compile"] or "default",
@@ -256,18 +259,23 @@ def build_parser(prog="python -m mpgpt.bench train") -> argparse.ArgumentParser:
     t.add_argument("--real-steps", type=int, default=150)
     t.add_argument("--profile", default=None, help="also print a torch.profiler table for this config")
     t.add_argument("--out-dir", default=".", help="where the JSON result goes (default: the current folder)")
-    t.add_argument("--tag", default=None, help="appended to the file name, so two runs on one day both stay")
+    t.add_argument("--tag", default=None, type=check_tag,
+                   help="appended to the file name, so two runs on one day both stay")
     return t
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    command = shlex.join(["python", "-m", "mpgpt.bench", "train", *argv])
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in TRAIN_CONFIGS]
+    extra = [args.max_batch_config, args.real_run_config, args.profile]
+    unknown = [n for n in names + [e for e in extra if e] if n not in TRAIN_CONFIGS]
     if unknown:
         print(f"python -m mpgpt.bench train: error: unknown configuration {unknown[0]!r}; "
               f"choose from {', '.join(TRAIN_CONFIGS)}", file=sys.stderr)
         return 2
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)  # a folder that cannot be made fails now, not after the run
     rows = bench_train(names, args.preset, args.batch_size, args.block_size, args.warmup, args.steps,
                        args.activation_checkpointing, args.profile)
     payload = {"benchmark": "train", "rows": rows}
@@ -277,6 +285,10 @@ def main(argv=None) -> int:
     _print_table(rows)
     if args.real_run_config:
         payload["real_run"] = real_run(args.real_run_config, args.preset, args.batch_size, args.real_steps)
-    path = write_result("train", payload, args.out_dir, tag=args.tag)
+    path = write_result("train", payload, args.out_dir, tag=args.tag, command=command)
     print(f"\nwrote {path}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,7 +16,7 @@ The package, one file per idea:
     matmul.py    the public matmul, and plan(): which kernel runs, and why
     gelu.py      GELU's backward in one pass
     linear.py    TritonLinear; ops.py: its kernels as torch.compile-traceable custom operators
-    bench.py     the benchmark against cuBLAS
+    (the benchmark against cuBLAS is mpgpt/bench/kernels.py: python -m mpgpt.bench kernels)
 
 Importing this package never fails: without a CUDA GPU it switches Triton to its CPU
 interpreter (TRITON_INTERPRET=1, set by env.py before any kernel is decorated), and without

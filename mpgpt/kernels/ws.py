@@ -229,7 +229,7 @@ def ws_preferred(M: int, N: int, num_sms: int) -> bool:
     Both kernels reach about the same speed per tile; what differs is how well their tiles fill
     the last wave. We compare 128 x 192 tiles with the TMA kernel's 128 x 256 (its choice for
     large outputs) and keep the TMA kernel only where it fills the waves clearly better. On the
-    H200 (results/kernels_nvidia-h200_2026-12-01.json, do_bench) this picks the faster kernel at
+    H200 (record kernels-h200, do_bench) this picks the faster kernel at
     all seven benchmark shapes: the warp-specialised one at the five GPT-2 shapes and 8192^3, the
     TMA one at 4096^3 (704 tiles, 5.3 waves of 132, against 512 = 3.9 waves: 0.90x against 0.98x
     of cuBLAS). A rule from seven measurements, not a model: treat it as such."""

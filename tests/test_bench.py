@@ -1,0 +1,31 @@
+"""The benchmark command lines refuse what they cannot honour before any measurement starts."""
+import pytest
+
+from mpgpt.bench import ddp, training
+
+
+def test_a_bad_tag_is_refused_before_the_run(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        training.main(["--configs", "fp32", "--tag", "my_run", "--out-dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "--tag" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_configuration_names_are_refused_up_front(capsys, tmp_path):
+    assert training.main(["--configs", "fp32", "--real-run-config", "bf16-typo", "--out-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'bf16-typo'" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("config", ["bf16-nobias", "bf16+checkpointing", "fp16-gradscaler", "bf16+compile+cudagraphs",
+                                    "bf16+triton"])
+def test_the_distributed_benchmark_refuses_options_it_would_drop(config):
+    with pytest.raises(ValueError, match="does not apply"):
+        ddp.check_supported(config)
+
+
+@pytest.mark.parametrize("config", ["fp32", "bf16", "fp16", "bf16+compile", "fp16+compile"])
+def test_the_distributed_benchmark_takes_the_plain_configurations(config):
+    ddp.check_supported(config)  # no error
