@@ -165,7 +165,10 @@ class BaseLossScaler:
             # Fused Adam/AdamW take the flag themselves and skip their update *on the device* when it
             # is set, so Python need not know: no sync at all (GradScaler does the same). The
             # gradients are already unscaled, hence grad_scale=None.
-            optimizer.grad_scale, optimizer.found_inf = None, found_inf
+            # A grad_scale the caller set on the optimizer is kept as it is, as GradScaler keeps it
+            # once the gradients are unscaled; ours always are by now, so we add no factor of our own.
+            optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
+            optimizer.found_inf = found_inf
             try:
                 retval = optimizer.step(*args, **kwargs)
             finally:
@@ -361,6 +364,24 @@ class DynamicLossScaler(BaseLossScaler):
     any overflow restarts the growth window. ``hysteresis=1`` is exactly GradScaler.
     (DeepSpeed's own growth window, at the version we read, grows after ``scale_window + 1`` clean
     steps; we keep GradScaler's ``growth_interval``.)
+
+    **Bounds.** ``min_scale`` clamps the scale from below; an overflow that would take it below
+    ``min_scale`` also sets :attr:`floor_hit` (a device flag, read without a sync in batches), which
+    the trainer treats as divergence: a run whose gradients overflow fp16 even at the floor will not
+    recover by scaling. GradScaler has no floor: its scale decays towards 0 (and, in fp32, reaches
+    it after about 150 overflows in a row, after which every step is skipped silently).
+
+    **The fused-optimizer protocol, compared with GradScaler.** For an optimizer that advertises
+    ``_step_supports_amp_scaling`` GradScaler sets two attributes around ``optimizer.step()``:
+    ``found_inf`` (the flag) and ``grad_scale`` (its scale, multiplied into any ``grad_scale`` the
+    caller set, when ``unscale_`` was not called; the caller's own ``grad_scale`` unchanged, when it
+    was), and deletes both afterwards. We set the same two attributes, and since we always unscale
+    before stepping (so that clipping sees true gradients), ``grad_scale`` is always the caller's own
+    value or None, exactly GradScaler's UNSCALED case. Two differences remain: GradScaler lets the
+    fused kernel do the unscaling when ``unscale_`` was not called (one pass fewer; the same numbers
+    for power-of-two scales), and it still honours the deprecated ``grad_scaler=`` keyword of
+    ``optimizer.step``, which we never pass. We delete the attributes even when ``optimizer.step``
+    raises (GradScaler leaves them behind then).
     """
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
