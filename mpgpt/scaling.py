@@ -420,11 +420,19 @@ class DynamicLossScaler(BaseLossScaler):
         self._init_hysteresis_tracker = hysteresis
         self._growth_tracker: torch.Tensor | None = None      # int32: clean steps since the last growth/overflow
         self._hysteresis_tracker: torch.Tensor | None = None  # int32: overflows still tolerated, from h down to 1
+        self._floor_hit: torch.Tensor | None = None  # bool: some backoff wanted to go below min_scale
 
     def _init_device_state(self, device: torch.device) -> None:
         super()._init_device_state(device)
         self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=device)
         self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=device)
+        self._floor_hit = torch.zeros((), dtype=torch.bool, device=device)
+
+    @property
+    def floor_hit(self) -> torch.Tensor | bool:
+        """Whether an overflow has wanted to take the scale below ``min_scale`` (the scale stayed at the
+        floor). A 0-d bool device tensor once scaling started (read it in batches: a sync), else False."""
+        return False if self._floor_hit is None else self._floor_hit.detach().clone()
 
     def _update_scale(self, found_inf: torch.Tensor) -> None:
         # Every case is computed and torch.where picks one: no Python `if` reads a device value.
@@ -438,6 +446,8 @@ class DynamicLossScaler(BaseLossScaler):
         new_scale = torch.where(backoff, scale64 * self.backoff_factor,
                                 torch.where(grow, scale64 * self.growth_factor, scale64)).float()
         new_scale = torch.where(torch.isfinite(new_scale), new_scale, scale)  # never grow past fp32 to inf
+        if self.min_scale is not None:
+            self._floor_hit |= backoff & (new_scale < self.min_scale)
         if self.min_scale is not None or self.max_scale is not None:
             new_scale = new_scale.clamp(self.min_scale, self.max_scale)
         scale.copy_(new_scale)
@@ -578,9 +588,10 @@ SCALERS = ("auto", "dynamic", "static", "gradscaler", "none")
 
 
 def make_scaler(kind: str, policy, device, *, static_scale: float = 2.0 ** 10, init_scale: float = 2.0 ** 16,
-                growth_interval: int = 2000, hysteresis: int = 1):
+                growth_interval: int = 2000, hysteresis: int = 1, min_scale: float | None = None):
     """The loss scaler for a run. ``kind`` is one of SCALERS; "auto" means dynamic scaling for the
-    policies that need it (``policy.loss_scaling``: the fp16 ones) and none for the others."""
+    policies that need it (``policy.loss_scaling``: the fp16 ones) and none for the others.
+    ``min_scale`` is the dynamic scaler's floor (None: none, as GradScaler); the trainer passes one."""
     if kind not in SCALERS:
         raise ValueError(f"unknown scaler {kind!r}; choose one of {', '.join(SCALERS)}")
     if kind == "auto":
@@ -591,4 +602,5 @@ def make_scaler(kind: str, policy, device, *, static_scale: float = 2.0 ** 10, i
         return StaticLossScaler(static_scale)
     if kind == "gradscaler":
         return GradScalerAdapter(device)
-    return DynamicLossScaler(init_scale=init_scale, growth_interval=growth_interval, hysteresis=hysteresis)
+    return DynamicLossScaler(init_scale=init_scale, growth_interval=growth_interval, hysteresis=hysteresis,
+                             min_scale=min_scale)

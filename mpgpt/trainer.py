@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -35,9 +37,14 @@ from mpgpt.checkpoint import CheckpointError, check_compatible, check_global_bat
 from mpgpt.data import TextDataset, default_corpus, download_tiny_shakespeare, load_text
 from mpgpt.model import GPT, GPTConfig, peak_flops
 from mpgpt.precision import MasterWeights, resolve_precision
-from mpgpt.scaling import SCALERS, make_scaler
+from mpgpt.scaling import SCALERS, NullScaler, make_scaler
 
-__all__ = ["TrainConfig", "History", "Trainer", "lr_at", "load_dataset", "param_groups"]
+__all__ = ["TrainConfig", "History", "Trainer", "DivergenceError", "lr_at", "load_dataset", "param_groups"]
+
+
+class DivergenceError(RuntimeError):
+    """The run diverged (a non-finite loss or weight, or a loss scale pushed below its floor). The last
+    checkpoint written before it (if any) is kept; no checkpoint of the diverged state is written."""
 
 
 @dataclass
@@ -50,6 +57,12 @@ class TrainConfig:
     scaler: str = "auto"              # auto | dynamic | static | gradscaler | none (auto: dynamic for fp16)
     static_scale: float = 2.0 ** 10
     init_scale: float = 2.0 ** 16
+    # The dynamic scaler's floor. 1.0, DeepSpeed's default min_loss_scale: a scale below 1 shrinks the
+    # gradients, which only helps when the true (unscaled) gradients themselves overflow fp16 (> 65504),
+    # and that is a diverging run, not an underflow problem. Without a floor the fp32 scale halves on
+    # every overflow down to 0 and the run then skips every step in silence; with it, an overflow at
+    # the floor stops the run with a DivergenceError.
+    min_scale: float = 1.0
     growth_interval: int = 2000
     hysteresis: int = 1
     steps: int = 400
@@ -90,9 +103,12 @@ class TrainConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.ddp_bucket_mb is not None and not self.ddp_bucket_mb > 0:
             raise ValueError(f"ddp_bucket_mb must be > 0 (or None for the default), got {self.ddp_bucket_mb}")
-        for name in ["lr", "static_scale", "init_scale"]:
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ["lr", "static_scale", "init_scale", "min_scale"]:
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
+        if self.init_scale < self.min_scale:
+            raise ValueError(f"init_scale ({self.init_scale}) is below min_scale ({self.min_scale}); "
+                             "raise init_scale or lower min_scale")
         for name in ["warmup_steps", "weight_decay", "grad_clip", "sample_tokens", "checkpoint_interval"]:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -188,6 +204,8 @@ class Trainer:
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.policy = resolve_precision(cfg.precision, self.device)
         self.policy.configure_backends()
+        if cfg.out_dir is not None:
+            _check_out_dir(Path(cfg.out_dir))  # before training: a run must not learn at the end it cannot save
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
 
@@ -217,10 +235,11 @@ class Trainer:
         self.optimizer = self.build_optimizer(named)
         self.scaler = make_scaler(cfg.scaler, self.policy, self.device, static_scale=cfg.static_scale,
                                   init_scale=cfg.init_scale, growth_interval=cfg.growth_interval,
-                                  hysteresis=cfg.hysteresis)
+                                  hysteresis=cfg.hysteresis, min_scale=cfg.min_scale)
         self.forward = self.compiled(self.model)
         self.data_gen = torch.Generator().manual_seed(cfg.seed)
         self.step = 0
+        self._pending, self._t_last = [], time.perf_counter()  # steps run() has not logged yet (_flush)
         self.history = History(precision=self.policy.name, device=str(self.device))
         self.flops_per_token = self.model.flops_per_token() if hasattr(self.model, "flops_per_token") else None
         self.peak = peak_flops(self.device)
@@ -370,58 +389,101 @@ class Trainer:
 
         ``until`` stops early after that many steps (saving a checkpoint if ``out_dir`` is set), as an
         interrupted run would; the schedule still follows ``cfg.steps``, so a resumed run continues it.
+        Raises :class:`DivergenceError` on a non-finite loss or a loss scale pushed below its floor,
+        and never writes a checkpoint of a diverged state: the last good one stays.
+        The final checkpoint is written before the sample is drawn, so a failing sample loses nothing.
         """
         from tqdm import tqdm
 
-        cfg, hist = self.cfg, self.history
-        tokens_per_step = cfg.batch_size * self.block_size * cfg.grad_accum
-        pending = []  # device tensors not yet brought to the host: one sync per log_interval
+        cfg = self.cfg
+        self._pending = []  # device tensors not yet brought to the host: one sync per log_interval
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.progress, desc=f"train {self.policy.name}",
                    dynamic_ncols=True, file=sys.stderr)
-        t_last = time.perf_counter()
+        self._t_last = time.perf_counter()
         stop = cfg.steps if until is None else min(until, cfg.steps)
-        while self.step < stop:
-            step = self.step
-            loss, grad_norm, lr = self.train_step(after_backward)
-            pending.append((step, loss, grad_norm, lr, self.scaler.scale_tensor(), self.scaler.last_found_inf))
-            last = self.step == stop
-            if len(pending) >= cfg.log_interval or last:
-                # One device->host copy for the whole interval: loss, grad norm, scale and overflow
-                # flag of each step (the scale and flag may be Python floats: no scaler, or no step yet).
-                dev = pending[0][1].device
-                values = torch.stack([torch.stack([loss_t, gn.float(), torch.as_tensor(sc, dtype=torch.float32, device=dev),
-                                                   torch.as_tensor(fi, dtype=torch.float32, device=dev)])
-                                      for _, loss_t, gn, _, sc, fi in pending]).tolist()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                now = time.perf_counter()
-                tps = tokens_per_step * len(pending) / (now - t_last)
-                t_last = now
-                for (s, _, _, lr_s, _, _), (loss_v, gn_v, scale, found_inf) in zip(pending, values):
-                    hist.step.append(s)
-                    hist.loss.append(loss_v)
-                    hist.grad_norm.append(gn_v)
-                    hist.lr.append(lr_s)
-                    hist.scale.append(scale)
-                    hist.skipped.append(found_inf > 0)
-                    hist.tokens_per_s.append(tps)
-                    flops = self.flops_per_token
-                    hist.mfu.append(flops * tps / self.peak if (self.peak and flops) else None)
-                pending = []
-                bar.set_postfix(loss=f"{hist.loss[-1]:.3f}", scale=f"{hist.scale[-1]:g}", refresh=False)
-            bar.update(1)
-            if self.step % cfg.eval_interval == 0 or last:
-                hist.val_step.append(self.step)
-                hist.val_loss.append(self.evaluate())
-                t_last = time.perf_counter()  # keep evaluation out of tokens/s
-            if cfg.out_dir and cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0 and not last:
-                self.save(Path(cfg.out_dir) / "ckpt.pt")
-                t_last = time.perf_counter()
-        bar.close()
-        if cfg.sample_tokens and self.step == cfg.steps:
-            hist.sample = self.sample()
+        try:
+            while self.step < stop:
+                step = self.step
+                loss, grad_norm, lr = self.train_step(after_backward)
+                self._pending.append((step, loss, grad_norm, lr, self.scaler.scale_tensor(),
+                                      self.scaler.last_found_inf, getattr(self.scaler, "floor_hit", False)))
+                last = self.step == stop
+                if len(self._pending) >= cfg.log_interval or last:
+                    self._flush()
+                    bar.set_postfix(loss=f"{self.history.loss[-1]:.3f}", scale=f"{self.history.scale[-1]:g}",
+                                    refresh=False)
+                bar.update(1)
+                if self.step % cfg.eval_interval == 0 or last:
+                    self.history.val_step.append(self.step)
+                    self.history.val_loss.append(self.evaluate())
+                    self._t_last = time.perf_counter()  # keep evaluation out of tokens/s
+                if cfg.out_dir and cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0 and not last:
+                    self._flush()  # the checkpoint's History must hold every step, and none may have diverged
+                    self.save(Path(cfg.out_dir) / "ckpt.pt")
+                    self._t_last = time.perf_counter()
+        finally:
+            bar.close()
+        self._flush()
         if cfg.out_dir:
-            self.save(Path(cfg.out_dir) / "ckpt.pt")
-        return hist
+            self.save(Path(cfg.out_dir) / "ckpt.pt")  # before sampling: a failing sample loses no training
+        if cfg.sample_tokens and self.step == cfg.steps:
+            self.history.sample = self.sample()
+        return self.history
+
+    def _flush(self) -> None:
+        """Bring the pending steps' values to the host (one copy), append them to the History and stop
+        the run if any step diverged."""
+        pending, hist = self._pending, self.history
+        if not pending:
+            return
+        # One device->host copy for the whole interval: loss, grad norm, scale, overflow flag and
+        # scale-floor flag of each step (some may be Python numbers: no scaler, or no step yet).
+        dev = pending[0][1].device
+        as_f32 = lambda v: torch.as_tensor(v, dtype=torch.float32, device=dev)  # noqa: E731
+        values = torch.stack([torch.stack([loss_t, gn.float(), as_f32(sc), as_f32(fi), as_f32(fl)])
+                              for _, loss_t, gn, _, sc, fi, fl in pending]).tolist()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        tokens_per_step = self.cfg.batch_size * self.block_size * self.cfg.grad_accum
+        tps = tokens_per_step * len(pending) / (now - self._t_last)
+        self._t_last = now
+        self._pending = []
+        for (s, _, _, lr_s, _, _, _), (loss_v, gn_v, scale, found_inf, floor) in zip(pending, values):
+            if not math.isfinite(loss_v):
+                raise DivergenceError(f"training diverged at step {s}: the loss is {loss_v}; {self._kept()}; "
+                                      "lower --lr (or use bf16/fp32) and resume from it")
+            if not math.isfinite(gn_v) and not found_inf > 0 and isinstance(self.scaler, NullScaler):
+                # Nothing checked this gradient, so the optimizer applied it: the weights are now inf/nan.
+                raise DivergenceError(f"training diverged at step {s}: the gradient norm is {gn_v} and no loss "
+                                      f"scaler skipped the step; {self._kept()}; lower --lr and resume from it")
+            if floor > 0:
+                raise DivergenceError(f"training diverged at step {s}: gradients still overflow at the loss "
+                                      f"scale's floor (min_scale {self.cfg.min_scale:g}); {self._kept()}; "
+                                      "lower --lr or use bf16, and resume from it")
+            hist.step.append(s)
+            hist.loss.append(loss_v)
+            hist.grad_norm.append(gn_v)
+            hist.lr.append(lr_s)
+            hist.scale.append(scale)
+            hist.skipped.append(found_inf > 0)
+            hist.tokens_per_s.append(tps)
+            flops = self.flops_per_token
+            hist.mfu.append(flops * tps / self.peak if (self.peak and flops) else None)
+
+    def _kept(self) -> str:
+        path = Path(self.cfg.out_dir) / "ckpt.pt" if self.cfg.out_dir else None
+        if path is not None and path.is_file():
+            return f"the last good checkpoint is kept at {path}"
+        return "no checkpoint was written (set --out-dir and --checkpoint-interval to keep one)"
 
 
+def _check_out_dir(out_dir: Path) -> None:
+    """Refuse an out_dir that cannot hold checkpoints, with a one-line reason, before any training."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"out_dir {out_dir} is a file, not a folder; pass a folder for the checkpoints")
+    probe = out_dir
+    while not probe.exists():  # the nearest existing ancestor must let us create the folder
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"out_dir {out_dir} is not writable; pass a folder you can write to")
