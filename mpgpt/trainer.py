@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from mpgpt.checkpoint import CheckpointError, check_compatible, check_global_batch, load_checkpoint, save_checkpoint
+from mpgpt.checkpoint import (CheckpointError, check_compatible, check_global_batch, check_structure, load_checkpoint,
+                              save_checkpoint)
 from mpgpt.data import TextDataset, default_corpus, download_tiny_shakespeare, load_text
 from mpgpt.model import GPT, GPTConfig, peak_flops
 from mpgpt.precision import MasterWeights, resolve_precision
@@ -355,6 +356,8 @@ class Trainer:
             "rng": _rng_state(self.data_gen),
             "step": self.step,
             "history": self.history.to_dict(),
+            "tokenizer": getattr(self.data.tokenizer, "chars", None),
+            "cpu_threads": torch.get_num_threads(),  # CPU results are bit-exact only at the same count
         }
 
     def save(self, path) -> Path:
@@ -365,13 +368,18 @@ class Trainer:
         self.load_state_dict(load_checkpoint(path))
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a checkpoint's contents (as read by mpgpt.checkpoint.load_checkpoint)."""
+        """Continue from a checkpoint's contents (as read by mpgpt.checkpoint.load_checkpoint).
+
+        Every check runs before anything is modified: structure and types, model, global batch,
+        precision and scaler, tokenizer, and that the checkpoint leaves steps to take."""
+        check_structure(state)
         check_compatible(state, asdict(self.model.config), self.model.state_dict())
         check_global_batch(state, self.cfg.batch_size, self.world_size)
         if state.get("scaler_type") != type(self.scaler).__name__ or state.get("precision") != self.policy.name:
             raise CheckpointError(f"checkpoint was written with precision {state.get('precision')} and "
                                   f"{state.get('scaler_type')}, this run uses {self.policy.name} and "
                                   f"{type(self.scaler).__name__}; resume with the same --precision and --scaler")
+        self._check_resumable(state)
         self.model.load_state_dict(state["model"])
         if self.master is not None:
             self.master.load_state_dict(state["master"])
@@ -382,6 +390,39 @@ class Trainer:
         _set_rng_state(rng, self.data_gen)
         self.step = int(state["step"])
         self.history = History(**state["history"])
+
+    def _check_resumable(self, state: dict) -> None:
+        """The checks that need this trainer's live pieces; raise CheckpointError, modify nothing."""
+        if self.master is not None:
+            live = self.master.state_dict()
+            saved = state["master"] or {}
+            if set(saved) != set(live) or any(tuple(saved[k].shape) != tuple(v.shape) for k, v in live.items()):
+                raise CheckpointError("checkpoint's fp32 master weights do not match the model; resume with "
+                                      "the same preset, overrides and --precision")
+        groups = state["optimizer"]["param_groups"]
+        live_groups = self.optimizer.state_dict()["param_groups"]
+        if [len(g.get("params", ())) for g in groups] != [len(g["params"]) for g in live_groups]:
+            raise CheckpointError("checkpoint's optimizer state does not match the model's parameters; "
+                                  "resume with the same preset and overrides")
+        unknown = set(state["history"]) - {f.name for f in fields(History)}
+        if unknown:
+            raise CheckpointError(f"checkpoint's history has unknown fields {sorted(unknown)}; "
+                                  "use the mpgpt release that wrote it")
+        chars = state.get("tokenizer")
+        if chars is not None and chars != getattr(self.data.tokenizer, "chars", None):
+            raise CheckpointError("checkpoint was trained on text with a different alphabet (tokenizer); "
+                                  "resume with the same --data")
+        if int(state["step"]) >= self.cfg.steps:
+            raise CheckpointError(f"checkpoint is already at step {state['step']} and this run stops at "
+                                  f"--steps {self.cfg.steps}; pass a larger --steps to train further")
+        threads = state.get("cpu_threads")
+        if self.device.type == "cpu" and threads is not None and threads != torch.get_num_threads():
+            # LayerNorm's backward (its weight/bias gradients) sums per-thread partial results on the
+            # CPU, so the last bits of the gradients depend on the thread count: the run continues
+            # correctly, but not bit for bit as it would have.
+            warnings.warn(f"checkpoint was written with {threads} CPU threads and this run uses "
+                          f"{torch.get_num_threads()}; the resumed run will not be bit-identical to an "
+                          f"uninterrupted one (set OMP_NUM_THREADS={threads} for that)", stacklevel=3)
 
     # ----------------------------------------------------------------------------------------
     def run(self, after_backward=None, until: int | None = None) -> History:
