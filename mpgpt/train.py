@@ -34,7 +34,7 @@ import torch
 from mpgpt.checkpoint import CheckpointError
 from mpgpt.scaling import SCALERS
 from mpgpt.distributed import DistributedTrainer, launched_by_torchrun
-from mpgpt.trainer import History, Trainer, TrainConfig, lr_at
+from mpgpt.trainer import DivergenceError, History, Trainer, TrainConfig, lr_at
 
 __all__ = ["train", "main", "TrainConfig", "History", "Trainer", "lr_at"]
 
@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scaler", default=d.scaler, choices=list(SCALERS),
                    help="loss scaler (auto: dynamic for fp16 policies, none otherwise)")
     p.add_argument("--static-scale", type=float, default=d.static_scale, help="scale for --scaler static")
+    p.add_argument("--min-scale", type=float, default=d.min_scale,
+                   help="floor of the dynamic loss scale: an overflow there stops the run as diverged")
     p.add_argument("--steps", type=int, default=d.steps, help="total optimizer steps")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch")
     p.add_argument("--block-size", type=int, default=None, help="context length (default: the preset's)")
@@ -105,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args) -> TrainConfig:
     return TrainConfig(
         preset=args.preset, data=args.data, precision=None if args.precision == "auto" else args.precision,
-        scaler=args.scaler, static_scale=args.static_scale, steps=args.steps, batch_size=args.batch_size,
+        scaler=args.scaler, static_scale=args.static_scale, min_scale=args.min_scale, steps=args.steps, batch_size=args.batch_size,
         block_size=args.block_size, grad_accum=args.grad_accum, lr=args.lr, compile=args.compile,
         device=args.device, seed=args.seed, out_dir=args.out_dir, checkpoint_interval=args.checkpoint_interval,
         resume=args.resume, eval_interval=args.eval_interval, sample_tokens=args.sample_tokens,
@@ -119,12 +121,21 @@ def main(argv=None) -> int:
         cfg = config_from_args(args)
         if cfg.device is not None:
             device = torch.device(cfg.device)  # raises RuntimeError on nonsense like "gpu"
+            if device.type not in ("cpu", "cuda"):
+                raise ValueError(f"device {cfg.device} is not supported by mpgpt.train; use --device cpu or cuda")
             if device.type == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"device {cfg.device} requested but no CUDA GPU is available; use --device cpu")
         if cfg.data not in ("embedded", "shakespeare") and not Path(cfg.data).exists():
             raise FileNotFoundError(f"data file {cfg.data} does not exist; pass a UTF-8 text file or 'embedded'")
         start = time.perf_counter()
         hist = train(cfg)
+    except DivergenceError as e:  # the run itself failed, not its arguments: exit 1, the message says why
+        print(f"{parser.prog}: error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print(f"{parser.prog}: error: out of memory; use a smaller --batch-size, --block-size or --preset",
+              file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError, CheckpointError, RuntimeError, OSError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"{parser.prog}: error: {msg}", file=sys.stderr)
