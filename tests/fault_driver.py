@@ -23,12 +23,12 @@ import torch
 import mpgpt.checkpoint
 from mpgpt.train import TrainConfig, Trainer
 
-STEPS = 16
+STEPS = 10
 
 
 def config(out_dir: str) -> TrainConfig:
     return TrainConfig(preset="tiny", precision="fp16", scaler="dynamic", init_scale=2.0 ** 12, growth_interval=3,
-                       steps=STEPS, batch_size=4, warmup_steps=2, eval_interval=8, eval_batches=1, sample_tokens=0,
+                       steps=STEPS, batch_size=4, warmup_steps=2, eval_interval=5, eval_batches=1, sample_tokens=0,
                        progress=False, log_interval=3, out_dir=out_dir, checkpoint_interval=1, seed=7,
                        model_overrides={"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32})
 
