@@ -138,6 +138,8 @@ def main(argv=None) -> int:
         return 2
     except (ValueError, FileNotFoundError, CheckpointError, RuntimeError, OSError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "can't allocate memory" in msg or "out of memory" in msg.lower():  # torch's allocators' words
+            msg = "out of memory; use a smaller --batch-size, --block-size or --preset"
         print(f"{parser.prog}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -136,6 +136,7 @@ def test_gradient_accumulation_matches_one_big_batch():
     (["--precision", "tf32", "--device", "cpu"], "use fp32"),
     (["--preset", "huge"], "invalid choice"),
     (["--resume", "/no/such/ckpt.pt", "--steps", "1"], "does not exist"),
+    (["--min-scale", "0"], "min_scale must be a finite number > 0"),
 ])
 def test_cli_errors_are_one_line(capsys, argv, message):
     try:
