@@ -18,8 +18,12 @@ configs. Two promises:
 """
 from __future__ import annotations
 
+import errno
+import contextlib
 import os
+import signal
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -42,6 +46,33 @@ def save_checkpoint(path, state: dict) -> Path:
     payload = {"format": FORMAT, "version": VERSION, **state}
     for stale in temporary_files(path):  # left by a writer that was killed before it could clean up
         stale.unlink(missing_ok=True)
+    with _ctrl_c_deferred():
+        _write_atomically(path, payload)
+    return path
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred():
+    """Hold a Ctrl-C (SIGINT) that arrives during the write and raise KeyboardInterrupt after it.
+
+    Raised inside torch's C++ writer, a KeyboardInterrupt comes out as a RuntimeError, so an
+    interrupted save looked like a failed one; a write takes a moment, so we finish it (or clean
+    it up) first and then honour the interrupt. Only the main thread can own signal handlers.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def _write_atomically(path: Path, payload: dict) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -50,12 +81,25 @@ def save_checkpoint(path, state: dict) -> Path:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as e:
         # Whatever went wrong (disk full, Ctrl-C), the target is untouched and no debris stays behind.
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(e, (OSError, RuntimeError)):  # torch's zip writer reports a full disk as RuntimeError
+            raise CheckpointError(f"could not write checkpoint {path} ({_write_cause(e, path.parent)}); the "
+                                  "previous checkpoint is untouched; free space or pass another --out-dir") from e
         raise
-    return path
+
+
+def _write_cause(error: BaseException, folder: Path) -> str:
+    """The likely cause of a failed write, in a few words (torch's own text is a C++ assertion)."""
+    code = getattr(error, "errno", None)
+    if code == errno.ENOSPC or "No space" in str(error) or "file write failed" in str(error):
+        return f"the disk holding {folder} is full"
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{folder} is not writable"
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return first
 
 
 def temporary_files(path) -> list[Path]:

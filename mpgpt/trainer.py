@@ -102,8 +102,15 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.ddp_bucket_mb is not None and not self.ddp_bucket_mb > 0:
-            raise ValueError(f"ddp_bucket_mb must be > 0 (or None for the default), got {self.ddp_bucket_mb}")
+        if self.ddp_bucket_mb is not None and not (0 < self.ddp_bucket_mb <= 1e6):
+            raise ValueError(f"ddp_bucket_mb must be a number of MB in (0, 1e6] (or None for the default), "
+                             f"got {self.ddp_bucket_mb}; use e.g. 25")
+        if self.out_dir == "":
+            raise ValueError("out_dir is empty; pass a folder for the checkpoints, or leave it out to save none")
+        if self.checkpoint_interval and self.out_dir is None:
+            raise ValueError("checkpoint_interval needs out_dir; pass --out-dir too")
+        if not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"seed must lie in [0, 2**63), got {self.seed}")
         for name in ["lr", "static_scale", "init_scale", "min_scale"]:
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
@@ -361,7 +368,7 @@ class Trainer:
         }
 
     def save(self, path) -> Path:
-        return save_checkpoint(path, self.state_dict())
+        return save_checkpoint(path, self.state_dict())  # OSError/RuntimeError become CheckpointError there
 
     def load(self, path) -> None:
         """Continue from a checkpoint: validated in full before anything is modified."""

@@ -30,7 +30,7 @@ def test_failed_write_leaves_old_checkpoint_intact_and_no_debris(tmp_path, monke
         raise OSError("No space left on device")
 
     monkeypatch.setattr(torch, "save", exploding_save)
-    with pytest.raises(OSError):
+    with pytest.raises(CheckpointError, match=f"could not write checkpoint .*the disk holding {tmp_path} is full"):
         save_checkpoint(path, _state())
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["ckpt.pt"]
@@ -112,3 +112,32 @@ def test_check_structure_names_what_is_missing_or_mistyped(damage):
     damage(state)
     with pytest.raises(CheckpointError, match="incomplete or damaged .*; resume from an earlier checkpoint"):
         checkpoint.check_structure(state)
+
+
+def test_torch_write_failure_becomes_one_line_naming_the_folder(tmp_path, monkeypatch):
+    def full_disk(obj, f, *a, **k):  # what torch's zip writer raises when the disk fills
+        raise RuntimeError("[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(tmp_path / "ckpt.pt", _state())
+    msg = str(info.value)
+    assert len(msg.splitlines()) == 1 and "enforce fail" not in msg
+    assert f"the disk holding {tmp_path} is full" in msg and "pass another --out-dir" in msg
+    assert os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_during_a_write_finishes_it_then_interrupts(tmp_path, monkeypatch):
+    import signal
+    real_save = torch.save
+
+    def save_interrupted_halfway(obj, f, *a, **k):
+        os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C while the file is being written
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save_interrupted_halfway)
+    with pytest.raises(KeyboardInterrupt):  # reported as an interrupt, not as a failed write
+        save_checkpoint(tmp_path / "ckpt.pt", _state())
+    assert load_checkpoint(tmp_path / "ckpt.pt")["step"] == 7  # and the checkpoint is whole
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
