@@ -127,6 +127,11 @@ def main(argv=None) -> int:
                 raise ValueError(f"device {cfg.device} requested but no CUDA GPU is available; use --device cpu")
         if cfg.data not in ("embedded", "shakespeare") and not Path(cfg.data).exists():
             raise FileNotFoundError(f"data file {cfg.data} does not exist; pass a UTF-8 text file or 'embedded'")
+        if cfg.resume is not None and Path(cfg.resume).is_dir():
+            raise ValueError(f"--resume {cfg.resume} is a folder; pass the checkpoint file in it, e.g. "
+                             f"{Path(cfg.resume) / 'ckpt.pt'}")
+        if args.static_scale != build_parser().get_default("static_scale") and cfg.scaler != "static":
+            raise ValueError("--static-scale only applies with --scaler static; add --scaler static or drop it")
         start = time.perf_counter()
         hist = train(cfg)
     except DivergenceError as e:  # the run itself failed, not its arguments: exit 1, the message says why
@@ -149,8 +154,10 @@ def main(argv=None) -> int:
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # under torchrun only rank 0 reports (every rank holds the same all-reduced numbers)
     skipped = sum(hist.skipped)
-    print(f"trained {len(hist.loss)} steps in {elapsed:.1f} s on {hist.device} with {hist.precision}: "
-          f"loss {hist.loss[0]:.3f} -> {hist.loss[-1]:.3f}, val {hist.val_loss[-1]:.3f}, "
+    start = hist.resumed_at or 0
+    resumed = f" (resumed at step {start}; {len(hist.loss)} in all)" if hist.resumed_at is not None else ""
+    print(f"trained {len(hist.loss) - start} steps{resumed} in {elapsed:.1f} s on {hist.device} with "
+          f"{hist.precision}: loss {hist.loss[0]:.3f} -> {hist.loss[-1]:.3f}, val {hist.val_loss[-1]:.3f}, "
           f"{skipped} skipped steps")
     if hist.sample:
         print("--- sample ---")

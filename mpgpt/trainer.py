@@ -145,6 +145,7 @@ class History:
     sample: str = ""
     precision: str = ""
     device: str = ""
+    resumed_at: int | None = None  # the step this run continued from a checkpoint at (None: from scratch)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -396,7 +397,7 @@ class Trainer:
         rng["python"] = _python_rng_tuple(rng["python"])
         _set_rng_state(rng, self.data_gen)
         self.step = int(state["step"])
-        self.history = History(**state["history"])
+        self.history = History(**{**state["history"], "resumed_at": self.step})
 
     def _check_resumable(self, state: dict) -> None:
         """The checks that need this trainer's live pieces; raise CheckpointError, modify nothing."""
