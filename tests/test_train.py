@@ -137,6 +137,14 @@ def test_gradient_accumulation_matches_one_big_batch():
     (["--preset", "huge"], "invalid choice"),
     (["--resume", "/no/such/ckpt.pt", "--steps", "1"], "does not exist"),
     (["--min-scale", "0"], "min_scale must be a finite number > 0"),
+    (["--lr", "inf"], "lr must be a finite number > 0"),
+    (["--ddp-bucket-mb", "inf"], "ddp_bucket_mb must be a number of MB in (0, 1e6]"),
+    (["--out-dir", ""], "out_dir is empty; pass a folder"),
+    (["--checkpoint-interval", "5"], "checkpoint_interval needs out_dir; pass --out-dir too"),
+    (["--seed", str(2 ** 70)], "seed must lie in [0, 2**63)"),
+    (["--device", "meta"], "use --device cpu or cuda"),
+    (["--static-scale", "512"], "--static-scale only applies with --scaler static"),
+    (["--resume", "."], "is a folder; pass the checkpoint file in it"),
 ])
 def test_cli_errors_are_one_line(capsys, argv, message):
     try:
@@ -377,3 +385,20 @@ def test_resume_with_two_threads_is_bit_identical_and_records_the_thread_count(t
     torch.set_num_threads(1)
     with pytest.warns(UserWarning, match="2 CPU threads .* not be bit-identical .* OMP_NUM_THREADS=2"):
         Trainer(_cfg(**cfg)).load(tmp_path / "ckpt.pt")
+
+
+def test_cli_summary_after_a_resume_counts_this_runs_steps_and_keeps_the_history(tmp_path, capsys):
+    # Killed at step 7 with the last checkpoint at step 5 (log_interval 10: nothing logged yet by then).
+    cfg = TrainConfig(steps=15, batch_size=2, progress=False, sample_tokens=0, eval_interval=100,
+                      out_dir=str(tmp_path), checkpoint_interval=5)
+
+    def killed(step, model):
+        if step == 7:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg).run(after_backward=killed)
+    code = main(["--resume", str(tmp_path / "ckpt.pt"), "--steps", "15", "--batch-size", "2", "--no-progress",
+                 "--sample-tokens", "0", "--eval-interval", "100"])
+    out = capsys.readouterr().out
+    assert code == 0 and "trained 10 steps (resumed at step 5; 15 in all)" in out, out
