@@ -18,6 +18,11 @@ trainer or, under torchrun, mpgpt.distributed's, and the command line.
 ``train(TrainConfig(...))`` returns a :class:`History` with per-step loss, learning rate, loss scale,
 skipped-step flag, gradient norm, tokens/s and (on a GPU) MFU, plus validation losses and a sample.
 
+Every refusal is one line on stderr naming what to do instead (exit 2); a run that diverges (a
+non-finite loss, or a loss scale pushed below ``--min-scale``) stops with one line and exit 1, keeping
+its last good checkpoint; Ctrl-C exits 130 and never leaves a half-written checkpoint. Bit-identical
+resume holds on the same device and precision and, on a CPU, the same thread count.
+
 Run ``python -m mpgpt.train --help`` for the flags. With no flags it trains the tiny preset on the
 embedded corpus with the device's default precision and prints a sample.
 """
