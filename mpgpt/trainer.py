@@ -103,7 +103,7 @@ class TrainConfig:
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.ddp_bucket_mb is not None and not (0 < self.ddp_bucket_mb <= 1e6):
-            raise ValueError(f"ddp_bucket_mb must be a number of MB in (0, 1e6] (or None for the default), "
+            raise ValueError(f"ddp_bucket_mb must be > 0 and at most 1e6 MB (or None for the default), "
                              f"got {self.ddp_bucket_mb}; use e.g. 25")
         if self.out_dir == "":
             raise ValueError("out_dir is empty; pass a folder for the checkpoints, or leave it out to save none")

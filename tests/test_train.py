@@ -138,7 +138,7 @@ def test_gradient_accumulation_matches_one_big_batch():
     (["--resume", "/no/such/ckpt.pt", "--steps", "1"], "does not exist"),
     (["--min-scale", "0"], "min_scale must be a finite number > 0"),
     (["--lr", "inf"], "lr must be a finite number > 0"),
-    (["--ddp-bucket-mb", "inf"], "ddp_bucket_mb must be a number of MB in (0, 1e6]"),
+    (["--ddp-bucket-mb", "inf"], "ddp_bucket_mb must be > 0 and at most 1e6 MB"),
     (["--out-dir", ""], "out_dir is empty; pass a folder"),
     (["--checkpoint-interval", "5"], "checkpoint_interval needs out_dir; pass --out-dir too"),
     (["--seed", str(2 ** 70)], "seed must lie in [0, 2**63)"),
