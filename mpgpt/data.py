@@ -25,6 +25,7 @@ import hashlib
 import os
 import re
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -360,9 +361,14 @@ def load_text(path) -> str:
         raise FileNotFoundError(f"no such file: {path}; check the path (relative paths start at {Path.cwd()})")
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory; pass the path of a text file inside it")
+    if not path.is_file():  # a FIFO or a device: reading it might never end
+        raise ValueError(f"{path} is not a regular file (a pipe or device); save the text to a file and pass that")
     data = path.read_bytes()
     if not data:
         raise ValueError(f"{path} is empty; a language model needs some text to learn from")
+    if b"\x00" in data:  # valid UTF-8, but no text has NUL bytes: a binary file (all NULs trains to loss 0)
+        raise ValueError(f"{path} contains NUL bytes (offset {data.index(0)}), so it is binary, not text; "
+                         "pass a UTF-8 text file")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -377,6 +383,10 @@ TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/mast
 # (e.g. LuxDL/Lux.jl examples/NanoGPT/main.jl registers this URL with this hash).
 TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 TINY_SHAKESPEARE_NUM_BYTES = 1_115_394
+
+
+class _TooLarge(Exception):
+    """Internal: the response passed ``max_bytes`` (its size so far is the argument)."""
 
 
 def _default_cache_dir() -> Path:
@@ -396,6 +406,7 @@ def download_tiny_shakespeare(
     url: str = TINY_SHAKESPEARE_URL,
     sha256: str | None = TINY_SHAKESPEARE_SHA256,
     timeout: float = 30.0,
+    max_bytes: int = 4 * TINY_SHAKESPEARE_NUM_BYTES,
 ) -> Path:
     """Download Tiny Shakespeare once, verify its SHA-256, and return the cached file's path.
 
@@ -403,7 +414,10 @@ def download_tiny_shakespeare(
     that still matches `sha256` is returned without touching the network; one that does not is
     replaced. A download goes to a temporary file beside the target and is moved into place
     with ``os.replace`` only after it verifies, so an interrupted or corrupt download never
-    leaves a bad file behind. ``sha256=None`` skips verification.
+    leaves a bad file behind. ``sha256=None`` skips the checksum, not the length check: a response
+    shorter than its ``Content-Length`` is refused either way. ``timeout`` bounds the whole download
+    (not each read), and a response over ``max_bytes`` (announced or received) is refused as soon as
+    that is known, without reading the rest.
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -415,11 +429,25 @@ def download_tiny_shakespeare(
     tmp = Path(tmp_name)
     try:
         h = hashlib.sha256()
+        deadline = time.monotonic() + timeout
+        received, announced = 0, None
         try:
             with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as response:
-                for block in iter(lambda: response.read(1 << 16), b""):
+                length = response.headers.get("Content-Length")
+                announced = int(length) if length and length.isdigit() else None
+                if announced is not None and announced > max_bytes:
+                    raise _TooLarge(announced)
+                for block in iter(lambda: response.read1(1 << 16), b""):  # what has arrived: check often
+                    received += len(block)
+                    if received > max_bytes:
+                        raise _TooLarge(received)
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"not finished after {timeout:g} s")
                     out.write(block)
                     h.update(block)
+        except _TooLarge as e:
+            raise RuntimeError(f"downloading {url} failed: the response is over {max_bytes} bytes ({e.args[0]}+); "
+                               "check the URL, or raise max_bytes") from None
         except urllib.error.HTTPError as e:
             raise RuntimeError(
                 f"downloading {url} failed: HTTP {e.code} {e.reason}; check the URL, "
@@ -431,6 +459,9 @@ def download_tiny_shakespeare(
                 f"downloading {url} failed ({reason}); are you offline? "
                 "The embedded default_corpus() needs no network"
             ) from None
+        if announced is not None and received != announced:
+            raise RuntimeError(f"downloading {url} failed: got {received} of {announced} bytes (the connection "
+                               "ended early); the partial file was discarded, retry")
         got = h.hexdigest()
         if sha256 is not None and got != sha256.lower():
             raise RuntimeError(

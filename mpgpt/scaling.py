@@ -165,7 +165,10 @@ class BaseLossScaler:
             # Fused Adam/AdamW take the flag themselves and skip their update *on the device* when it
             # is set, so Python need not know: no sync at all (GradScaler does the same). The
             # gradients are already unscaled, hence grad_scale=None.
-            optimizer.grad_scale, optimizer.found_inf = None, found_inf
+            # A grad_scale the caller set on the optimizer is kept as it is, as GradScaler keeps it
+            # once the gradients are unscaled; ours always are by now, so we add no factor of our own.
+            optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
+            optimizer.found_inf = found_inf
             try:
                 retval = optimizer.step(*args, **kwargs)
             finally:
@@ -361,6 +364,24 @@ class DynamicLossScaler(BaseLossScaler):
     any overflow restarts the growth window. ``hysteresis=1`` is exactly GradScaler.
     (DeepSpeed's own growth window, at the version we read, grows after ``scale_window + 1`` clean
     steps; we keep GradScaler's ``growth_interval``.)
+
+    **Bounds.** ``min_scale`` clamps the scale from below; an overflow that would take it below
+    ``min_scale`` also sets :attr:`floor_hit` (a device flag, read without a sync in batches), which
+    the trainer treats as divergence: a run whose gradients overflow fp16 even at the floor will not
+    recover by scaling. GradScaler has no floor: its scale decays towards 0 (and, in fp32, reaches
+    it after about 150 overflows in a row, after which every step is skipped silently).
+
+    **The fused-optimizer protocol, compared with GradScaler.** For an optimizer that advertises
+    ``_step_supports_amp_scaling`` GradScaler sets two attributes around ``optimizer.step()``:
+    ``found_inf`` (the flag) and ``grad_scale`` (its scale, multiplied into any ``grad_scale`` the
+    caller set, when ``unscale_`` was not called; the caller's own ``grad_scale`` unchanged, when it
+    was), and deletes both afterwards. We set the same two attributes, and since we always unscale
+    before stepping (so that clipping sees true gradients), ``grad_scale`` is always the caller's own
+    value or None, exactly GradScaler's UNSCALED case. Two differences remain: GradScaler lets the
+    fused kernel do the unscaling when ``unscale_`` was not called (one pass fewer; the same numbers
+    for power-of-two scales), and it still honours the deprecated ``grad_scaler=`` keyword of
+    ``optimizer.step``, which we never pass. We delete the attributes even when ``optimizer.step``
+    raises (GradScaler leaves them behind then).
     """
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
@@ -399,11 +420,19 @@ class DynamicLossScaler(BaseLossScaler):
         self._init_hysteresis_tracker = hysteresis
         self._growth_tracker: torch.Tensor | None = None      # int32: clean steps since the last growth/overflow
         self._hysteresis_tracker: torch.Tensor | None = None  # int32: overflows still tolerated, from h down to 1
+        self._floor_hit: torch.Tensor | None = None  # bool: some backoff wanted to go below min_scale
 
     def _init_device_state(self, device: torch.device) -> None:
         super()._init_device_state(device)
         self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=device)
         self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=device)
+        self._floor_hit = torch.zeros((), dtype=torch.bool, device=device)
+
+    @property
+    def floor_hit(self) -> torch.Tensor | bool:
+        """Whether an overflow has wanted to take the scale below ``min_scale`` (the scale stayed at the
+        floor). A 0-d bool device tensor once scaling started (read it in batches: a sync), else False."""
+        return False if self._floor_hit is None else self._floor_hit.detach().clone()
 
     def _update_scale(self, found_inf: torch.Tensor) -> None:
         # Every case is computed and torch.where picks one: no Python `if` reads a device value.
@@ -417,6 +446,8 @@ class DynamicLossScaler(BaseLossScaler):
         new_scale = torch.where(backoff, scale64 * self.backoff_factor,
                                 torch.where(grow, scale64 * self.growth_factor, scale64)).float()
         new_scale = torch.where(torch.isfinite(new_scale), new_scale, scale)  # never grow past fp32 to inf
+        if self.min_scale is not None:
+            self._floor_hit |= backoff & (new_scale < self.min_scale)
         if self.min_scale is not None or self.max_scale is not None:
             new_scale = new_scale.clamp(self.min_scale, self.max_scale)
         scale.copy_(new_scale)
@@ -557,9 +588,10 @@ SCALERS = ("auto", "dynamic", "static", "gradscaler", "none")
 
 
 def make_scaler(kind: str, policy, device, *, static_scale: float = 2.0 ** 10, init_scale: float = 2.0 ** 16,
-                growth_interval: int = 2000, hysteresis: int = 1):
+                growth_interval: int = 2000, hysteresis: int = 1, min_scale: float | None = None):
     """The loss scaler for a run. ``kind`` is one of SCALERS; "auto" means dynamic scaling for the
-    policies that need it (``policy.loss_scaling``: the fp16 ones) and none for the others."""
+    policies that need it (``policy.loss_scaling``: the fp16 ones) and none for the others.
+    ``min_scale`` is the dynamic scaler's floor (None: none, as GradScaler); the trainer passes one."""
     if kind not in SCALERS:
         raise ValueError(f"unknown scaler {kind!r}; choose one of {', '.join(SCALERS)}")
     if kind == "auto":
@@ -570,4 +602,5 @@ def make_scaler(kind: str, policy, device, *, static_scale: float = 2.0 ** 10, i
         return StaticLossScaler(static_scale)
     if kind == "gradscaler":
         return GradScalerAdapter(device)
-    return DynamicLossScaler(init_scale=init_scale, growth_interval=growth_interval, hysteresis=hysteresis)
+    return DynamicLossScaler(init_scale=init_scale, growth_interval=growth_interval, hysteresis=hysteresis,
+                             min_scale=min_scale)

@@ -18,6 +18,11 @@ trainer or, under torchrun, mpgpt.distributed's, and the command line.
 ``train(TrainConfig(...))`` returns a :class:`History` with per-step loss, learning rate, loss scale,
 skipped-step flag, gradient norm, tokens/s and (on a GPU) MFU, plus validation losses and a sample.
 
+Every refusal is one line on stderr naming what to do instead (exit 2); a run that diverges (a
+non-finite loss, or a loss scale pushed below ``--min-scale``) stops with one line and exit 1, keeping
+its last good checkpoint; Ctrl-C exits 130 and never leaves a half-written checkpoint. Bit-identical
+resume holds on the same device and precision and, on a CPU, the same thread count.
+
 Run ``python -m mpgpt.train --help`` for the flags. With no flags it trains the tiny preset on the
 embedded corpus with the device's default precision and prints a sample.
 """
@@ -34,7 +39,7 @@ import torch
 from mpgpt.checkpoint import CheckpointError
 from mpgpt.scaling import SCALERS
 from mpgpt.distributed import DistributedTrainer, launched_by_torchrun
-from mpgpt.trainer import History, Trainer, TrainConfig, lr_at
+from mpgpt.trainer import DivergenceError, History, Trainer, TrainConfig, lr_at
 
 __all__ = ["train", "main", "TrainConfig", "History", "Trainer", "lr_at"]
 
@@ -81,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scaler", default=d.scaler, choices=list(SCALERS),
                    help="loss scaler (auto: dynamic for fp16 policies, none otherwise)")
     p.add_argument("--static-scale", type=float, default=d.static_scale, help="scale for --scaler static")
+    p.add_argument("--min-scale", type=float, default=d.min_scale,
+                   help="floor of the dynamic loss scale: an overflow there stops the run as diverged")
     p.add_argument("--steps", type=int, default=d.steps, help="total optimizer steps")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch")
     p.add_argument("--block-size", type=int, default=None, help="context length (default: the preset's)")
@@ -105,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args) -> TrainConfig:
     return TrainConfig(
         preset=args.preset, data=args.data, precision=None if args.precision == "auto" else args.precision,
-        scaler=args.scaler, static_scale=args.static_scale, steps=args.steps, batch_size=args.batch_size,
+        scaler=args.scaler, static_scale=args.static_scale, min_scale=args.min_scale, steps=args.steps, batch_size=args.batch_size,
         block_size=args.block_size, grad_accum=args.grad_accum, lr=args.lr, compile=args.compile,
         device=args.device, seed=args.seed, out_dir=args.out_dir, checkpoint_interval=args.checkpoint_interval,
         resume=args.resume, eval_interval=args.eval_interval, sample_tokens=args.sample_tokens,
@@ -119,14 +126,30 @@ def main(argv=None) -> int:
         cfg = config_from_args(args)
         if cfg.device is not None:
             device = torch.device(cfg.device)  # raises RuntimeError on nonsense like "gpu"
+            if device.type not in ("cpu", "cuda"):
+                raise ValueError(f"device {cfg.device} is not supported by mpgpt.train; use --device cpu or cuda")
             if device.type == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"device {cfg.device} requested but no CUDA GPU is available; use --device cpu")
         if cfg.data not in ("embedded", "shakespeare") and not Path(cfg.data).exists():
             raise FileNotFoundError(f"data file {cfg.data} does not exist; pass a UTF-8 text file or 'embedded'")
+        if cfg.resume is not None and Path(cfg.resume).is_dir():
+            raise ValueError(f"--resume {cfg.resume} is a folder; pass the checkpoint file in it, e.g. "
+                             f"{Path(cfg.resume) / 'ckpt.pt'}")
+        if args.static_scale != build_parser().get_default("static_scale") and cfg.scaler != "static":
+            raise ValueError("--static-scale only applies with --scaler static; add --scaler static or drop it")
         start = time.perf_counter()
         hist = train(cfg)
+    except DivergenceError as e:  # the run itself failed, not its arguments: exit 1, the message says why
+        print(f"{parser.prog}: error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print(f"{parser.prog}: error: out of memory; use a smaller --batch-size, --block-size or --preset",
+              file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError, CheckpointError, RuntimeError, OSError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "can't allocate memory" in msg or "out of memory" in msg.lower():  # torch's allocators' words
+            msg = "out of memory; use a smaller --batch-size, --block-size or --preset"
         print(f"{parser.prog}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -136,8 +159,10 @@ def main(argv=None) -> int:
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # under torchrun only rank 0 reports (every rank holds the same all-reduced numbers)
     skipped = sum(hist.skipped)
-    print(f"trained {len(hist.loss)} steps in {elapsed:.1f} s on {hist.device} with {hist.precision}: "
-          f"loss {hist.loss[0]:.3f} -> {hist.loss[-1]:.3f}, val {hist.val_loss[-1]:.3f}, "
+    start = hist.resumed_at or 0
+    resumed = f" (resumed at step {start}; {len(hist.loss)} in all)" if hist.resumed_at is not None else ""
+    print(f"trained {len(hist.loss) - start} steps{resumed} in {elapsed:.1f} s on {hist.device} with "
+          f"{hist.precision}: loss {hist.loss[0]:.3f} -> {hist.loss[-1]:.3f}, val {hist.val_loss[-1]:.3f}, "
           f"{skipped} skipped steps")
     if hist.sample:
         print("--- sample ---")

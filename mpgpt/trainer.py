@@ -23,21 +23,29 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 
-from mpgpt.checkpoint import CheckpointError, check_compatible, check_global_batch, load_checkpoint, save_checkpoint
+from mpgpt.checkpoint import (CheckpointError, check_compatible, check_global_batch, check_structure, load_checkpoint,
+                              save_checkpoint)
 from mpgpt.data import TextDataset, default_corpus, download_tiny_shakespeare, load_text
 from mpgpt.model import GPT, GPTConfig, peak_flops
 from mpgpt.precision import MasterWeights, resolve_precision
-from mpgpt.scaling import SCALERS, make_scaler
+from mpgpt.scaling import SCALERS, NullScaler, make_scaler
 
-__all__ = ["TrainConfig", "History", "Trainer", "lr_at", "load_dataset", "param_groups"]
+__all__ = ["TrainConfig", "History", "Trainer", "DivergenceError", "lr_at", "load_dataset", "param_groups"]
+
+
+class DivergenceError(RuntimeError):
+    """The run diverged (a non-finite loss or weight, or a loss scale pushed below its floor). The last
+    checkpoint written before it (if any) is kept; no checkpoint of the diverged state is written."""
 
 
 @dataclass
@@ -50,6 +58,12 @@ class TrainConfig:
     scaler: str = "auto"              # auto | dynamic | static | gradscaler | none (auto: dynamic for fp16)
     static_scale: float = 2.0 ** 10
     init_scale: float = 2.0 ** 16
+    # The dynamic scaler's floor. 1.0, DeepSpeed's default min_loss_scale: a scale below 1 shrinks the
+    # gradients, which only helps when the true (unscaled) gradients themselves overflow fp16 (> 65504),
+    # and that is a diverging run, not an underflow problem. Without a floor the fp32 scale halves on
+    # every overflow down to 0 and the run then skips every step in silence; with it, an overflow at
+    # the floor stops the run with a DivergenceError.
+    min_scale: float = 1.0
     growth_interval: int = 2000
     hysteresis: int = 1
     steps: int = 400
@@ -88,11 +102,21 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.ddp_bucket_mb is not None and not self.ddp_bucket_mb > 0:
-            raise ValueError(f"ddp_bucket_mb must be > 0 (or None for the default), got {self.ddp_bucket_mb}")
-        for name in ["lr", "static_scale", "init_scale"]:
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.ddp_bucket_mb is not None and not (0 < self.ddp_bucket_mb <= 1e6):
+            raise ValueError(f"ddp_bucket_mb must be > 0 and at most 1e6 MB (or None for the default), "
+                             f"got {self.ddp_bucket_mb}; use e.g. 25")
+        if self.out_dir == "":
+            raise ValueError("out_dir is empty; pass a folder for the checkpoints, or leave it out to save none")
+        if self.checkpoint_interval and self.out_dir is None:
+            raise ValueError("checkpoint_interval needs out_dir; pass --out-dir too")
+        if not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"seed must lie in [0, 2**63), got {self.seed}")
+        for name in ["lr", "static_scale", "init_scale", "min_scale"]:
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
+        if self.init_scale < self.min_scale:
+            raise ValueError(f"init_scale ({self.init_scale}) is below min_scale ({self.min_scale}); "
+                             "raise init_scale or lower min_scale")
         for name in ["warmup_steps", "weight_decay", "grad_clip", "sample_tokens", "checkpoint_interval"]:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -121,6 +145,7 @@ class History:
     sample: str = ""
     precision: str = ""
     device: str = ""
+    resumed_at: int | None = None  # the step this run continued from a checkpoint at (None: from scratch)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -188,6 +213,8 @@ class Trainer:
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.policy = resolve_precision(cfg.precision, self.device)
         self.policy.configure_backends()
+        if cfg.out_dir is not None:
+            _check_out_dir(Path(cfg.out_dir))  # before training: a run must not learn at the end it cannot save
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
 
@@ -217,10 +244,11 @@ class Trainer:
         self.optimizer = self.build_optimizer(named)
         self.scaler = make_scaler(cfg.scaler, self.policy, self.device, static_scale=cfg.static_scale,
                                   init_scale=cfg.init_scale, growth_interval=cfg.growth_interval,
-                                  hysteresis=cfg.hysteresis)
+                                  hysteresis=cfg.hysteresis, min_scale=cfg.min_scale)
         self.forward = self.compiled(self.model)
         self.data_gen = torch.Generator().manual_seed(cfg.seed)
         self.step = 0
+        self._pending, self._t_last = [], time.perf_counter()  # steps run() has not logged yet (_flush)
         self.history = History(precision=self.policy.name, device=str(self.device))
         self.flops_per_token = self.model.flops_per_token() if hasattr(self.model, "flops_per_token") else None
         self.peak = peak_flops(self.device)
@@ -336,23 +364,30 @@ class Trainer:
             "rng": _rng_state(self.data_gen),
             "step": self.step,
             "history": self.history.to_dict(),
+            "tokenizer": getattr(self.data.tokenizer, "chars", None),
+            "cpu_threads": torch.get_num_threads(),  # CPU results are bit-exact only at the same count
         }
 
     def save(self, path) -> Path:
-        return save_checkpoint(path, self.state_dict())
+        return save_checkpoint(path, self.state_dict())  # OSError/RuntimeError become CheckpointError there
 
     def load(self, path) -> None:
         """Continue from a checkpoint: validated in full before anything is modified."""
         self.load_state_dict(load_checkpoint(path))
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a checkpoint's contents (as read by mpgpt.checkpoint.load_checkpoint)."""
+        """Continue from a checkpoint's contents (as read by mpgpt.checkpoint.load_checkpoint).
+
+        Every check runs before anything is modified: structure and types, model, global batch,
+        precision and scaler, tokenizer, and that the checkpoint leaves steps to take."""
+        check_structure(state)
         check_compatible(state, asdict(self.model.config), self.model.state_dict())
         check_global_batch(state, self.cfg.batch_size, self.world_size)
         if state.get("scaler_type") != type(self.scaler).__name__ or state.get("precision") != self.policy.name:
             raise CheckpointError(f"checkpoint was written with precision {state.get('precision')} and "
                                   f"{state.get('scaler_type')}, this run uses {self.policy.name} and "
                                   f"{type(self.scaler).__name__}; resume with the same --precision and --scaler")
+        self._check_resumable(state)
         self.model.load_state_dict(state["model"])
         if self.master is not None:
             self.master.load_state_dict(state["master"])
@@ -362,7 +397,40 @@ class Trainer:
         rng["python"] = _python_rng_tuple(rng["python"])
         _set_rng_state(rng, self.data_gen)
         self.step = int(state["step"])
-        self.history = History(**state["history"])
+        self.history = History(**{**state["history"], "resumed_at": self.step})
+
+    def _check_resumable(self, state: dict) -> None:
+        """The checks that need this trainer's live pieces; raise CheckpointError, modify nothing."""
+        if self.master is not None:
+            live = self.master.state_dict()
+            saved = state["master"] or {}
+            if set(saved) != set(live) or any(tuple(saved[k].shape) != tuple(v.shape) for k, v in live.items()):
+                raise CheckpointError("checkpoint's fp32 master weights do not match the model; resume with "
+                                      "the same preset, overrides and --precision")
+        groups = state["optimizer"]["param_groups"]
+        live_groups = self.optimizer.state_dict()["param_groups"]
+        if [len(g.get("params", ())) for g in groups] != [len(g["params"]) for g in live_groups]:
+            raise CheckpointError("checkpoint's optimizer state does not match the model's parameters; "
+                                  "resume with the same preset and overrides")
+        unknown = set(state["history"]) - {f.name for f in fields(History)}
+        if unknown:
+            raise CheckpointError(f"checkpoint's history has unknown fields {sorted(unknown)}; "
+                                  "use the mpgpt release that wrote it")
+        chars = state.get("tokenizer")
+        if chars is not None and chars != getattr(self.data.tokenizer, "chars", None):
+            raise CheckpointError("checkpoint was trained on text with a different alphabet (tokenizer); "
+                                  "resume with the same --data")
+        if int(state["step"]) >= self.cfg.steps:
+            raise CheckpointError(f"checkpoint is already at step {state['step']} and this run stops at "
+                                  f"--steps {self.cfg.steps}; pass a larger --steps to train further")
+        threads = state.get("cpu_threads")
+        if self.device.type == "cpu" and threads is not None and threads != torch.get_num_threads():
+            # LayerNorm's backward (its weight/bias gradients) sums per-thread partial results on the
+            # CPU, so the last bits of the gradients depend on the thread count: the run continues
+            # correctly, but not bit for bit as it would have.
+            warnings.warn(f"checkpoint was written with {threads} CPU threads and this run uses "
+                          f"{torch.get_num_threads()}; the resumed run will not be bit-identical to an "
+                          f"uninterrupted one (set OMP_NUM_THREADS={threads} for that)", stacklevel=3)
 
     # ----------------------------------------------------------------------------------------
     def run(self, after_backward=None, until: int | None = None) -> History:
@@ -370,58 +438,101 @@ class Trainer:
 
         ``until`` stops early after that many steps (saving a checkpoint if ``out_dir`` is set), as an
         interrupted run would; the schedule still follows ``cfg.steps``, so a resumed run continues it.
+        Raises :class:`DivergenceError` on a non-finite loss or a loss scale pushed below its floor,
+        and never writes a checkpoint of a diverged state: the last good one stays.
+        The final checkpoint is written before the sample is drawn, so a failing sample loses nothing.
         """
         from tqdm import tqdm
 
-        cfg, hist = self.cfg, self.history
-        tokens_per_step = cfg.batch_size * self.block_size * cfg.grad_accum
-        pending = []  # device tensors not yet brought to the host: one sync per log_interval
+        cfg = self.cfg
+        self._pending = []  # device tensors not yet brought to the host: one sync per log_interval
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.progress, desc=f"train {self.policy.name}",
                    dynamic_ncols=True, file=sys.stderr)
-        t_last = time.perf_counter()
+        self._t_last = time.perf_counter()
         stop = cfg.steps if until is None else min(until, cfg.steps)
-        while self.step < stop:
-            step = self.step
-            loss, grad_norm, lr = self.train_step(after_backward)
-            pending.append((step, loss, grad_norm, lr, self.scaler.scale_tensor(), self.scaler.last_found_inf))
-            last = self.step == stop
-            if len(pending) >= cfg.log_interval or last:
-                # One device->host copy for the whole interval: loss, grad norm, scale and overflow
-                # flag of each step (the scale and flag may be Python floats: no scaler, or no step yet).
-                dev = pending[0][1].device
-                values = torch.stack([torch.stack([loss_t, gn.float(), torch.as_tensor(sc, dtype=torch.float32, device=dev),
-                                                   torch.as_tensor(fi, dtype=torch.float32, device=dev)])
-                                      for _, loss_t, gn, _, sc, fi in pending]).tolist()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                now = time.perf_counter()
-                tps = tokens_per_step * len(pending) / (now - t_last)
-                t_last = now
-                for (s, _, _, lr_s, _, _), (loss_v, gn_v, scale, found_inf) in zip(pending, values):
-                    hist.step.append(s)
-                    hist.loss.append(loss_v)
-                    hist.grad_norm.append(gn_v)
-                    hist.lr.append(lr_s)
-                    hist.scale.append(scale)
-                    hist.skipped.append(found_inf > 0)
-                    hist.tokens_per_s.append(tps)
-                    flops = self.flops_per_token
-                    hist.mfu.append(flops * tps / self.peak if (self.peak and flops) else None)
-                pending = []
-                bar.set_postfix(loss=f"{hist.loss[-1]:.3f}", scale=f"{hist.scale[-1]:g}", refresh=False)
-            bar.update(1)
-            if self.step % cfg.eval_interval == 0 or last:
-                hist.val_step.append(self.step)
-                hist.val_loss.append(self.evaluate())
-                t_last = time.perf_counter()  # keep evaluation out of tokens/s
-            if cfg.out_dir and cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0 and not last:
-                self.save(Path(cfg.out_dir) / "ckpt.pt")
-                t_last = time.perf_counter()
-        bar.close()
-        if cfg.sample_tokens and self.step == cfg.steps:
-            hist.sample = self.sample()
+        try:
+            while self.step < stop:
+                step = self.step
+                loss, grad_norm, lr = self.train_step(after_backward)
+                self._pending.append((step, loss, grad_norm, lr, self.scaler.scale_tensor(),
+                                      self.scaler.last_found_inf, getattr(self.scaler, "floor_hit", False)))
+                last = self.step == stop
+                if len(self._pending) >= cfg.log_interval or last:
+                    self._flush()
+                    bar.set_postfix(loss=f"{self.history.loss[-1]:.3f}", scale=f"{self.history.scale[-1]:g}",
+                                    refresh=False)
+                bar.update(1)
+                if self.step % cfg.eval_interval == 0 or last:
+                    self.history.val_step.append(self.step)
+                    self.history.val_loss.append(self.evaluate())
+                    self._t_last = time.perf_counter()  # keep evaluation out of tokens/s
+                if cfg.out_dir and cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0 and not last:
+                    self._flush()  # the checkpoint's History must hold every step, and none may have diverged
+                    self.save(Path(cfg.out_dir) / "ckpt.pt")
+                    self._t_last = time.perf_counter()
+        finally:
+            bar.close()
+        self._flush()
         if cfg.out_dir:
-            self.save(Path(cfg.out_dir) / "ckpt.pt")
-        return hist
+            self.save(Path(cfg.out_dir) / "ckpt.pt")  # before sampling: a failing sample loses no training
+        if cfg.sample_tokens and self.step == cfg.steps:
+            self.history.sample = self.sample()
+        return self.history
+
+    def _flush(self) -> None:
+        """Bring the pending steps' values to the host (one copy), append them to the History and stop
+        the run if any step diverged."""
+        pending, hist = self._pending, self.history
+        if not pending:
+            return
+        # One device->host copy for the whole interval: loss, grad norm, scale, overflow flag and
+        # scale-floor flag of each step (some may be Python numbers: no scaler, or no step yet).
+        dev = pending[0][1].device
+        as_f32 = lambda v: torch.as_tensor(v, dtype=torch.float32, device=dev)  # noqa: E731
+        values = torch.stack([torch.stack([loss_t, gn.float(), as_f32(sc), as_f32(fi), as_f32(fl)])
+                              for _, loss_t, gn, _, sc, fi, fl in pending]).tolist()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        tokens_per_step = self.cfg.batch_size * self.block_size * self.cfg.grad_accum
+        tps = tokens_per_step * len(pending) / (now - self._t_last)
+        self._t_last = now
+        self._pending = []
+        for (s, _, _, lr_s, _, _, _), (loss_v, gn_v, scale, found_inf, floor) in zip(pending, values):
+            if not math.isfinite(loss_v):
+                raise DivergenceError(f"training diverged at step {s}: the loss is {loss_v}; {self._kept()}; "
+                                      "lower --lr (or use bf16/fp32) and resume from it")
+            if not math.isfinite(gn_v) and not found_inf > 0 and isinstance(self.scaler, NullScaler):
+                # Nothing checked this gradient, so the optimizer applied it: the weights are now inf/nan.
+                raise DivergenceError(f"training diverged at step {s}: the gradient norm is {gn_v} and no loss "
+                                      f"scaler skipped the step; {self._kept()}; lower --lr and resume from it")
+            if floor > 0:
+                raise DivergenceError(f"training diverged at step {s}: gradients still overflow at the loss "
+                                      f"scale's floor (min_scale {self.cfg.min_scale:g}); {self._kept()}; "
+                                      "lower --lr or use bf16, and resume from it")
+            hist.step.append(s)
+            hist.loss.append(loss_v)
+            hist.grad_norm.append(gn_v)
+            hist.lr.append(lr_s)
+            hist.scale.append(scale)
+            hist.skipped.append(found_inf > 0)
+            hist.tokens_per_s.append(tps)
+            flops = self.flops_per_token
+            hist.mfu.append(flops * tps / self.peak if (self.peak and flops) else None)
+
+    def _kept(self) -> str:
+        path = Path(self.cfg.out_dir) / "ckpt.pt" if self.cfg.out_dir else None
+        if path is not None and path.is_file():
+            return f"the last good checkpoint is kept at {path}"
+        return "no checkpoint was written (set --out-dir and --checkpoint-interval to keep one)"
 
 
+def _check_out_dir(out_dir: Path) -> None:
+    """Refuse an out_dir that cannot hold checkpoints, with a one-line reason, before any training."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"out_dir {out_dir} is a file, not a folder; pass a folder for the checkpoints")
+    probe = out_dir
+    while not probe.exists():  # the nearest existing ancestor must let us create the folder
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"out_dir {out_dir} is not writable; pass a folder you can write to")

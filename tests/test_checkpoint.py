@@ -30,7 +30,7 @@ def test_failed_write_leaves_old_checkpoint_intact_and_no_debris(tmp_path, monke
         raise OSError("No space left on device")
 
     monkeypatch.setattr(torch, "save", exploding_save)
-    with pytest.raises(OSError):
+    with pytest.raises(CheckpointError, match=f"could not write checkpoint .*the disk holding {tmp_path} is full"):
         save_checkpoint(path, _state())
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["ckpt.pt"]
@@ -73,3 +73,71 @@ def test_check_compatible_names_the_difference():
         check_compatible(state, {"n_layer": 2, "n_embd": 8}, {"w": torch.empty(8, 9)})
     with pytest.raises(CheckpointError, match="missing"):
         check_compatible(state, {"n_layer": 2, "n_embd": 8}, {"w": torch.empty(8, 8), "b": torch.empty(8)})
+
+
+def test_save_removes_temp_files_left_by_a_killed_writer(tmp_path):
+    # A writer killed by SIGKILL mid-write leaves its temporary file behind; the next save clears it.
+    stale = tmp_path / ".ckpt.pt.abc123.tmp"
+    stale.write_bytes(b"PK\x03\x04 half a zip file")
+    other = tmp_path / ".notes.txt.tmp"  # not ours: left alone
+    other.write_bytes(b"x")
+    save_checkpoint(tmp_path / "ckpt.pt", _state())
+    assert sorted(os.listdir(tmp_path)) == [".notes.txt.tmp", "ckpt.pt"]
+    assert checkpoint.temporary_files(tmp_path / "ckpt.pt") == []
+
+
+def _full_state():
+    return {"model_config": {}, "train_config": {}, "model": {"w": torch.zeros(2)}, "master": None,
+            "optimizer": {"state": {}, "param_groups": []}, "scaler": {}, "scaler_type": "NullScaler",
+            "precision": "fp32", "rng": {"torch": torch.zeros(2, dtype=torch.uint8),
+                                         "data": torch.zeros(2, dtype=torch.uint8), "python": [3, [1, 2], None]},
+            "step": 3, "history": {"step": [], "loss": [], "scale": [], "skipped": []}}
+
+
+@pytest.mark.parametrize("damage", [
+    lambda s: s.pop("optimizer"),
+    lambda s: s.pop("rng"),
+    lambda s: s.update(step="3"),
+    lambda s: s.update(step=-1),
+    lambda s: s.update(model={"w": [0.0, 0.0]}),
+    lambda s: s.update(optimizer={"param_groups": []}),
+    lambda s: s["rng"].pop("data"),
+    lambda s: s.update(history=None),
+    lambda s: s["history"].pop("loss"),
+], ids=["no-optimizer", "no-rng", "step-str", "step-negative", "model-not-tensor", "optimizer-no-state",
+        "rng-no-data", "history-none", "history-no-loss"])
+def test_check_structure_names_what_is_missing_or_mistyped(damage):
+    state = _full_state()
+    checkpoint.check_structure(state)  # the intact one passes
+    damage(state)
+    with pytest.raises(CheckpointError, match="incomplete or damaged .*; resume from an earlier checkpoint"):
+        checkpoint.check_structure(state)
+
+
+def test_torch_write_failure_becomes_one_line_naming_the_folder(tmp_path, monkeypatch):
+    def full_disk(obj, f, *a, **k):  # what torch's zip writer raises when the disk fills
+        raise RuntimeError("[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(tmp_path / "ckpt.pt", _state())
+    msg = str(info.value)
+    assert len(msg.splitlines()) == 1 and "enforce fail" not in msg
+    assert f"the disk holding {tmp_path} is full" in msg and "pass another --out-dir" in msg
+    assert os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_during_a_write_finishes_it_then_interrupts(tmp_path, monkeypatch):
+    import signal
+    real_save = torch.save
+
+    def save_interrupted_halfway(obj, f, *a, **k):
+        os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C while the file is being written
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save_interrupted_halfway)
+    with pytest.raises(KeyboardInterrupt):  # reported as an interrupt, not as a failed write
+        save_checkpoint(tmp_path / "ckpt.pt", _state())
+    assert load_checkpoint(tmp_path / "ckpt.pt")["step"] == 7  # and the checkpoint is whole
+    assert os.listdir(tmp_path) == ["ckpt.pt"]

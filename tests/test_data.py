@@ -3,7 +3,9 @@ import collections
 import hashlib
 import http.server
 import math
+import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -286,3 +288,67 @@ def test_get_batch_errors():
         ds.get_batch("test", 4, 8)
     with pytest.raises(ValueError, match="val_fraction"):
         TextDataset("abc", val_fraction=1.0)
+
+
+class _OddServer(_Server):
+    """Serves one path badly: a body shorter than its Content-Length, or slowly, one byte at a time."""
+
+    def __init__(self, body, *, announce=None, drip_s=0.0):
+        super().__init__({})
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                outer.requests += 1
+                self.send_response(200)
+                self.send_header("Content-Length", str(announce if announce is not None else len(body)))
+                self.end_headers()
+                for i in range(0, len(body), 64 if drip_s else len(body)):
+                    self.wfile.write(body[i:i + (64 if drip_s else len(body))])
+                    self.wfile.flush()
+                    time.sleep(drip_s)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd.RequestHandlerClass = Handler
+
+
+def test_download_refuses_a_response_over_the_size_cap(server, tmp_path):
+    with pytest.raises(RuntimeError, match="the response is over 1000 bytes"):
+        download_tiny_shakespeare(cache_dir=tmp_path, url=server.url("/input.txt"), sha256=None, max_bytes=1000)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_download_refuses_a_truncated_response_even_without_a_checksum(tmp_path):
+    s = _OddServer(b"First Citizen:\n" * 20, announce=10_000)  # promises more than it sends, then hangs up
+    try:
+        with pytest.raises(RuntimeError, match=r"got 300 of 10000 bytes .* retry"):
+            download_tiny_shakespeare(cache_dir=tmp_path, url=s.url("/input.txt"), sha256=None, timeout=5)
+    finally:
+        s.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_download_timeout_bounds_the_whole_download(tmp_path):
+    # Every read arrives well within the timeout, but the whole takes 20 x 0.1 s = 2 s > 0.5 s.
+    s = _OddServer(b"x" * 64 * 20, drip_s=0.1)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="not finished after 0.5 s"):
+            download_tiny_shakespeare(cache_dir=tmp_path, url=s.url("/input.txt"), sha256=None, timeout=0.5)
+        assert time.monotonic() - t0 < 1.8
+    finally:
+        s.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_text_refuses_nul_bytes_and_pipes(tmp_path):
+    nul = tmp_path / "zeros.txt"
+    nul.write_bytes(b"\x00" * 1000)
+    with pytest.raises(ValueError, match="contains NUL bytes .* pass a UTF-8 text file"):
+        load_text(nul)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        load_text(fifo)  # returns at once: nobody writes to the pipe, and we never open it

@@ -674,3 +674,52 @@ def test_gradscaler_adapter_speaks_the_protocol_and_resumes():
     b = GradScalerAdapter("cpu")
     b.load_state_dict(a.state_dict())
     assert b.get_scale() == a.get_scale()
+
+
+def test_backoff_below_min_scale_sets_floor_hit():
+    # 4 -> 2 is within the floor; the next overflow wants 1 < min_scale 2: flagged, scale held at 2.
+    s = DynamicLossScaler(init_scale=4.0, growth_interval=100, min_scale=2.0)
+    assert s.floor_hit is False  # nothing scaled yet
+    assert _drive(s, "O") == [2.0] and not bool(s.floor_hit)
+    assert _drive(s, "F") == [2.0] and not bool(s.floor_hit)
+    assert _drive(s, "O") == [2.0] and bool(s.floor_hit)
+    # without a floor nothing is ever flagged (GradScaler's behaviour: the scale just keeps halving)
+    s = DynamicLossScaler(init_scale=4.0, growth_interval=100)
+    assert _drive(s, "OOOO") == [2.0, 1.0, 0.5, 0.25] and not bool(s.floor_hit)
+
+
+class _FusedLikeSGD(torch.optim.Optimizer):
+    """Plain SGD that advertises the fused-optimizer protocol and records the attributes a scaler sets."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.seen = (getattr(self, "grad_scale", "unset"), getattr(self, "found_inf", "unset"))
+        if self.found_inf.item() == 0:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_fused_protocol_keeps_a_callers_grad_scale_like_gradscaler():
+    # GradScaler, once the grads are unscaled, hands a fused optimizer the caller's own grad_scale
+    # unchanged (torch/amp/grad_scaler.py, UNSCALED case); ours always unscales first, so must do the same.
+    param = nn.Parameter(torch.ones(3))
+    opt = _FusedLikeSGD([param], lr=0.1)
+    ref_param = nn.Parameter(torch.ones(3))
+    ref_opt = _FusedLikeSGD([ref_param], lr=0.1)
+    ours, ref = DynamicLossScaler(init_scale=8.0), torch.amp.GradScaler("cpu", init_scale=8.0)
+    for scaler, p, o in [(ours, param, opt), (ref, ref_param, ref_opt)]:
+        scaler.scale((p * 2.0).sum()).backward()
+        scaler.unscale_(o)  # GradScaler would otherwise fold its scale into grad_scale (see the docstring)
+        o.grad_scale = torch.tensor(1.0)  # the caller's own factor, as GradScaler's comment allows
+        scaler.step(o)
+        scaler.update()
+    assert isinstance(opt.seen[0], torch.Tensor) and torch.equal(opt.seen[0], ref_opt.seen[0])
+    assert float(opt.seen[1]) == float(ref_opt.seen[1]) == 0.0
+    assert not hasattr(opt, "grad_scale") and not hasattr(ref_opt, "grad_scale")  # both delete it after
+    assert torch.equal(param, ref_param)

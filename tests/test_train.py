@@ -1,8 +1,10 @@
 """The trainer: loss falls, resume is bit-identical, injected faults are skipped, the CLI fails cleanly."""
+import copy
 import math
 import random
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -134,6 +136,15 @@ def test_gradient_accumulation_matches_one_big_batch():
     (["--precision", "tf32", "--device", "cpu"], "use fp32"),
     (["--preset", "huge"], "invalid choice"),
     (["--resume", "/no/such/ckpt.pt", "--steps", "1"], "does not exist"),
+    (["--min-scale", "0"], "min_scale must be a finite number > 0"),
+    (["--lr", "inf"], "lr must be a finite number > 0"),
+    (["--ddp-bucket-mb", "inf"], "ddp_bucket_mb must be > 0 and at most 1e6 MB"),
+    (["--out-dir", ""], "out_dir is empty; pass a folder"),
+    (["--checkpoint-interval", "5"], "checkpoint_interval needs out_dir; pass --out-dir too"),
+    (["--seed", str(2 ** 70)], "seed must lie in [0, 2**63)"),
+    (["--device", "meta"], "use --device cpu or cuda"),
+    (["--static-scale", "512"], "--static-scale only applies with --scaler static"),
+    (["--resume", "."], "is a folder; pass the checkpoint file in it"),
 ])
 def test_cli_errors_are_one_line(capsys, argv, message):
     try:
@@ -227,3 +238,167 @@ def test_gradient_norm_is_reported_and_clipping_applies_only_when_asked():
         m = torch.sqrt(sum((t.optimizer.state[p]["exp_avg"].double() ** 2).sum() for p in t.params)).item()
         received = m / (1 - t.cfg.beta1)
         assert math.isclose(received, clip if clip else expected, rel_tol=1e-4), (clip, received)
+
+
+# ------------------------------------------------------------------------------------------------
+# Resume refusals: every check runs before anything is touched
+# ------------------------------------------------------------------------------------------------
+def _weights(trainer):
+    return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+def _unchanged(trainer, before):
+    return all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda s: s.pop("optimizer"), "no 'optimizer'"),
+    (lambda s: s.pop("rng"), "no 'rng'"),
+    (lambda s: s.update(history=[]), "'history' is a list"),
+    (lambda s: s["optimizer"]["param_groups"].pop(), "optimizer state does not match"),
+    (lambda s: s["history"].update(bogus=[]), "unknown fields"),
+], ids=["no-optimizer", "no-rng", "history-list", "optimizer-groups", "history-fields"])
+def test_resume_refuses_an_incomplete_checkpoint_without_touching_the_model(tmp_path, damage, message):
+    Trainer(_cfg(steps=2, out_dir=str(tmp_path))).run()
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    damage(state)
+    fresh = Trainer(_cfg(seed=99))
+    before, step = _weights(fresh), fresh.step
+    with pytest.raises(CheckpointError, match=message):
+        fresh.load_state_dict(state)
+    assert _unchanged(fresh, before) and fresh.step == step
+
+
+def test_resume_refuses_a_checkpoint_with_no_steps_left(tmp_path):
+    Trainer(_cfg(steps=4, out_dir=str(tmp_path))).run()
+    for steps in (4, 3):  # at the end already, or past a shorter --steps: nothing would be trained
+        with pytest.raises(CheckpointError, match=f"already at step 4 .* pass a larger --steps"):
+            Trainer(_cfg(steps=steps)).load(tmp_path / "ckpt.pt")
+    Trainer(_cfg(steps=5)).load(tmp_path / "ckpt.pt")  # one step left: fine
+
+
+def test_resume_refuses_text_with_a_different_alphabet(tmp_path):
+    from mpgpt.data import TextDataset
+    text = "the quick brown fox jumps over the lazy dog\n" * 40
+    Trainer(_cfg(steps=2, out_dir=str(tmp_path)), dataset=TextDataset(text)).run()
+    other = TextDataset(text.replace("q", "Q"))  # same vocabulary size, different characters
+    assert other.tokenizer.vocab_size == TextDataset(text).tokenizer.vocab_size
+    fresh = Trainer(_cfg(steps=4), dataset=other)
+    before = _weights(fresh)
+    with pytest.raises(CheckpointError, match="different alphabet .* same --data"):
+        fresh.load(tmp_path / "ckpt.pt")
+    assert _unchanged(fresh, before)
+
+
+# ------------------------------------------------------------------------------------------------
+# What a checkpoint holds, and when it is written
+# ------------------------------------------------------------------------------------------------
+def test_interval_checkpoint_history_holds_every_step_before_it(tmp_path):
+    # Steps are logged in batches of log_interval; a checkpoint between two batches must still hold
+    # every step before it, or a resumed run's History has a hole.
+    t = Trainer(_cfg(steps=12, out_dir=str(tmp_path), checkpoint_interval=5, log_interval=4))
+    saved = []
+    t.save = lambda path: saved.append(copy.deepcopy(t.state_dict()))
+    t.run()
+    assert [s["step"] for s in saved] == [5, 10, 12]
+    for s in saved:
+        assert s["history"]["step"] == list(range(s["step"])), s["history"]["step"]
+
+
+def test_final_checkpoint_is_written_before_the_sample(tmp_path, monkeypatch):
+    t = Trainer(_cfg(steps=3, out_dir=str(tmp_path), sample_tokens=10))
+
+    def broken_sample(*a, **k):
+        raise RuntimeError("sampling failed")
+
+    monkeypatch.setattr(t, "sample", broken_sample)
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        t.run()
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 3  # the training is kept
+
+
+def test_unusable_out_dir_is_refused_before_training(tmp_path, capsys):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        Trainer(_cfg(out_dir=str(a_file)))
+    code = main(["--steps", "2", "--batch-size", "2", "--no-progress", "--sample-tokens", "0",
+                 "--out-dir", str(a_file / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "pass a folder" in err, err
+    assert a_file.read_text() == "x"
+
+
+def test_cli_refuses_a_device_it_does_not_support_with_what_to_use(capsys):
+    code = main(["--device", "mps", "--steps", "1", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "use --device cpu or cuda" in err, err
+
+
+# ------------------------------------------------------------------------------------------------
+# Precision on a CPU: what the README promises
+# ------------------------------------------------------------------------------------------------
+def test_readme_and_cli_agree_on_which_precisions_a_cpu_runs(capsys):
+    from pathlib import Path
+    from mpgpt.precision import POLICIES, resolve_precision
+    readme = " ".join((Path(__file__).parent.parent / "README.md").read_text().split())
+    refused = []
+    for name in POLICIES:
+        try:
+            resolve_precision(name, "cpu")
+        except ValueError:
+            refused.append(name)
+    assert refused == ["tf32"]
+    assert "(`tf32` on a CPU, `bf16` on a GPU older than sm_80) is refused" in readme
+    assert "on a CPU every other precision runs" in readme
+    code = main(["--precision", "fp16", "--device", "cpu", "--steps", "2", "--batch-size", "2",
+                 "--no-progress", "--sample-tokens", "0", "--eval-interval", "2"])
+    assert code == 0 and "with fp16" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------
+# Reproducibility on a CPU with 2 threads
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def two_threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
+
+
+def test_resume_with_two_threads_is_bit_identical_and_records_the_thread_count(tmp_path, two_threads):
+    cfg = dict(precision="fp16", model_overrides={**SMALL, "n_layer": 2}, batch_size=8)
+    full = Trainer(_cfg(**cfg))
+    full.run()
+    Trainer(_cfg(out_dir=str(tmp_path), **cfg)).run(until=5)
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["cpu_threads"] == 2
+    second = Trainer(_cfg(**cfg))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # same thread count: no warning
+        second.load(tmp_path / "ckpt.pt")
+    second.run()
+    assert second.history.loss == full.history.loss
+    assert all(torch.equal(a, b) for a, b in zip(full.model.state_dict().values(), second.model.state_dict().values()))
+    # LayerNorm's CPU backward sums per-thread partials: another thread count changes the last bits,
+    # and resuming with one says so instead of silently breaking the bit-for-bit promise.
+    torch.set_num_threads(1)
+    with pytest.warns(UserWarning, match="2 CPU threads .* not be bit-identical .* OMP_NUM_THREADS=2"):
+        Trainer(_cfg(**cfg)).load(tmp_path / "ckpt.pt")
+
+
+def test_cli_summary_after_a_resume_counts_this_runs_steps_and_keeps_the_history(tmp_path, capsys):
+    # Killed at step 7 with the last checkpoint at step 5 (log_interval 10: nothing logged yet by then).
+    cfg = TrainConfig(steps=15, batch_size=2, progress=False, sample_tokens=0, eval_interval=100,
+                      out_dir=str(tmp_path), checkpoint_interval=5)
+
+    def killed(step, model):
+        if step == 7:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg).run(after_backward=killed)
+    code = main(["--resume", str(tmp_path / "ckpt.pt"), "--steps", "15", "--batch-size", "2", "--no-progress",
+                 "--sample-tokens", "0", "--eval-interval", "100"])
+    out = capsys.readouterr().out
+    assert code == 0 and "trained 10 steps (resumed at step 5; 15 in all)" in out, out
