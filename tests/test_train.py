@@ -368,7 +368,7 @@ def two_threads():
 
 
 def test_resume_with_two_threads_is_bit_identical_and_records_the_thread_count(tmp_path, two_threads):
-    cfg = dict(precision="fp16", model_overrides={**SMALL, "n_layer": 2}, batch_size=8)
+    cfg = dict(precision="fp16", model_overrides={**SMALL, "n_layer": 2}, batch_size=8, device="cpu")  # CPU threads matter on a CPU
     full = Trainer(_cfg(**cfg))
     full.run()
     Trainer(_cfg(out_dir=str(tmp_path), **cfg)).run(until=5)
