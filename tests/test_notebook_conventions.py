@@ -1,4 +1,4 @@
-"""Every chapter notebook follows the course conventions (/tmp/spec.md, "Notebook conventions").
+"""Every chapter notebook follows the course conventions (the instructor guide and the README describe them).
 
 These checks read the committed .ipynb files; they do not execute anything (nbval does that).
 Each notebook's problems are collected and reported together, so one run says everything to fix.
