@@ -1,20 +1,8 @@
 """``train()`` and the ``python -m mpgpt.train`` command line (chapters 2-5): the entry point.
 
-One step, whatever the precision policy (mpgpt.precision) and loss scaler (mpgpt.scaling):
-
-    for each micro-batch:                       # gradient accumulation
-        with policy.autocast(device):           # fp32 / bf16 / fp16 forward
-            loss = model(x, y) / accum
-        scaler.scale(loss).backward()           # scaled so fp16 gradients don't underflow
-    master.grads_to_master()                    # O2 policies only: fp32 copies of 16-bit grads
-    scaler.unscale_(optimizer)                  # divide by the scale *before* clipping
-    clip_grad_norm_(params, grad_clip)          # clip the true gradient, not the scaled one
-    scaler.step(optimizer)                      # skipped if any gradient is inf/nan
-    scaler.update()                             # grow or back off the scale
-    master.master_to_model()                    # O2 only: round fp32 masters into the model
-
-The loop itself lives in mpgpt.trainer; this module adds ``train()``, which picks the single-process
-trainer or, under torchrun, mpgpt.distributed's, and the command line.
+The training step and loop live in mpgpt.trainer (its docstring shows one step). This module adds
+``train()``, which picks the single-process trainer or, under torchrun, mpgpt.distributed's, and
+the command line.
 ``train(TrainConfig(...))`` returns a :class:`History` with per-step loss, learning rate, loss scale,
 skipped-step flag, gradient norm, tokens/s and (on a GPU) MFU, plus validation losses and a sample.
 
