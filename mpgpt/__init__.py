@@ -1,9 +1,10 @@
 """mpgpt: mixed-precision GPT training from scratch — the package every chapter of the course imports.
 
 Map of the package, in layers: each module imports only from the layers above it in this list,
-the first seven (the leaves) from no other mpgpt module, and model reaches down to kernels only
+runtime from no other mpgpt module, the next seven from runtime at most, and model reaches down to kernels only
 inside GPT.use_triton, since Triton is optional (tests/test_layering.py checks all of it). Each module's docstring names the chapter that teaches it.
 
+    runtime      what the device can do: capability, memory, Triton; about()      all
     formats      bit-level views of fp32 / fp16 / bf16 / fp8                      chapter 1
     data         character tokenizer, the embedded corpus, loaders                chapter 2
     precision    precision policies, device defaults, fp32 master weights         chapter 3
@@ -32,13 +33,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _EXPORTS = {
     "GPT": "model", "GPTConfig": "model",
     "CharTokenizer": "data", "TextDataset": "data", "default_corpus": "data", "load_text": "data",
     "StaticLossScaler": "scaling", "DynamicLossScaler": "scaling",
     "PrecisionPolicy": "precision", "resolve_precision": "precision",
+    "about": "runtime",
     "TrainConfig": "trainer", "History": "trainer", "Trainer": "trainer",
 }
 

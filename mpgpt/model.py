@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+
+from mpgpt import runtime
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mpgpt.fused_loss import chunked_linear_cross_entropy
@@ -54,7 +56,7 @@ def peak_flops(device) -> float | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
+    name = runtime.device_name(device)
     for key, value in PEAK_BF16.items():
         if key in name:
             return value

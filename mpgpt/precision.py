@@ -35,8 +35,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mpgpt import runtime
+
 __all__ = [
     "PrecisionPolicy", "POLICIES", "resolve_precision", "default_precision", "device_capability",
+    "supported_precisions",
     "MasterWeights",
 ]
 
@@ -84,10 +87,7 @@ _NEEDS_SM80 = {"bf16", "bf16-master", "tf32"}
 
 def device_capability(device) -> tuple[int, int] | None:
     """Compute capability of a CUDA device as (major, minor); None for anything else."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    return torch.cuda.get_device_capability(device)
+    return runtime.capability(torch.device(device))
 
 
 def default_precision(device) -> str:
@@ -96,6 +96,17 @@ def default_precision(device) -> str:
     if cap is None:
         return "fp32"
     return "bf16" if cap >= (8, 0) else "fp16"
+
+
+def supported_precisions(device) -> tuple[str, ...]:
+    """The policies ``device`` runs natively, in the order the course compares them: on sm_80+
+    GPUs and on a CPU the bf16 family, below sm_80 (a T4) the fp16 family with loss scaling."""
+    cap = device_capability(device)
+    if cap is None:
+        return ("fp32", "bf16", "bf16-master", "fp16", "fp16-master")
+    if cap < (8, 0):
+        return ("fp32", "fp16", "fp16-master")
+    return ("fp32", "tf32", "bf16", "bf16-master", "fp16", "fp16-master")
 
 
 def resolve_precision(name: str | None, device) -> PrecisionPolicy:
@@ -117,7 +128,7 @@ def resolve_precision(name: str | None, device) -> PrecisionPolicy:
         raise ValueError("tf32 is a mode of NVIDIA tensor cores (sm_80+) and does not exist on a CPU; "
                          "use fp32 (or bf16 to see autocast on a CPU)")
     if cap is not None and cap < (8, 0) and name in _NEEDS_SM80:
-        gpu = torch.cuda.get_device_name(device)
+        gpu = runtime.device_name(device)
         instead = "fp16-master" if name == "bf16-master" else "fp16"
         raise ValueError(f"{name} needs compute capability >= 8.0 but {gpu} is sm_{cap[0]}{cap[1]} "
                          f"(bf16 is only emulated there); use {instead} with dynamic loss scaling")

@@ -1,5 +1,5 @@
 """Which checked notebook outputs depend on the CPU? Execute the chapters under several CPU settings
-and compare every checked cell (`# NBVAL_CHECK_OUTPUT`) with the committed output.
+and compare every checked cell (tagged `nbval-check-output`) with the committed output.
 
     python scripts/output_stability.py                       # all chapters, the default variants
     python scripts/output_stability.py notebooks/04_*.ipynb --variant ATEN_CPU_CAPABILITY=default
@@ -31,7 +31,7 @@ import nbformat
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
-MARKER = "NBVAL_CHECK_OUTPUT"
+MARKER = "NBVAL_CHECK_OUTPUT"  # the old comment form; the tag is what the chapters use
 DEFAULT_VARIANTS = [
     "ATEN_CPU_CAPABILITY=default,OMP_NUM_THREADS=1",
     "OMP_NUM_THREADS=2",

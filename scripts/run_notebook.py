@@ -11,6 +11,21 @@ import nbformat
 from nbclient import NotebookClient
 
 
+def coalesce_streams(nb) -> None:
+    """Merge consecutive stdout (or stderr) outputs of a cell into one, as a terminal would show
+    them: otherwise one loop's prints render as several boxes. nbval merges them the same way."""
+    for cell in nb.cells:
+        merged = []
+        for out in cell.get("outputs", []):
+            if (merged and out.output_type == "stream" and merged[-1].output_type == "stream"
+                    and merged[-1].name == out.name):
+                merged[-1].text += out.text
+            else:
+                merged.append(out)
+        if cell.cell_type == "code":
+            cell.outputs = merged
+
+
 def run(path: Path) -> float:
     nb = nbformat.read(path, as_version=4)
     nb.metadata.pop("widgets", None)  # saved widget state without "state" breaks renderers
@@ -19,6 +34,7 @@ def run(path: Path) -> float:
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     elapsed = time.perf_counter() - start
     nb.metadata.pop("widgets", None)
+    coalesce_streams(nb)
     nbformat.write(nb, path)
     return elapsed
 

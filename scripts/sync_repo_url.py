@@ -1,8 +1,10 @@
-"""Keep every notebook's repository URL in step with _config.yml.
+"""Keep every notebook's install cell and links in step with _config.yml.
 
-_config.yml's `repository.url` (and `repository.branch`) is the one setting for where the course
-lives. The Colab launch buttons of the book read it directly; this script copies it into
-  - the `REPO_URL = "..."` line of each notebook's install cell,
+_config.yml's `repository.url` and `repository.branch` are the one setting for where the course
+lives and which release the book was rendered from: `branch` is a release tag `vX.Y.Z`, equal to
+the package's version (tests/test_notebook_conventions.py checks that). The Colab launch buttons of
+the book read them directly; this script copies them into
+  - each notebook's install cell (its first code cell, rewritten whole from `install_cell`),
   - each notebook's "Open in Colab" links (https://colab.research.google.com/github/OWNER/REPO/blob/BRANCH/...),
   - the `git clone URL` and `git+URL` commands in book/*.md.
 
@@ -20,7 +22,6 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
-REPO_URL_LINE = re.compile(r'^(?P<head>\s*REPO_URL\s*=\s*)(?P<q>["\'])(?P<url>[^"\']*)(?P=q)', re.MULTILINE)
 COLAB_LINK = re.compile(
     r"https://colab\.research\.google\.com/github/(?P<owner>[^/\s)\"']+)/(?P<repo>[^/\s)\"']+)"
     r"/blob/(?P<branch>[^/\s)\"']+)/")
@@ -40,11 +41,30 @@ def repository_settings(config_path: Path = ROOT / "_config.yml") -> tuple[str, 
     return url, match.group(1), match.group(2), branch
 
 
+def install_cell(url: str, branch: str) -> str:
+    """The first code cell of every chapter: installs the course package at the book's release if
+    it is missing, then prints in one line what is installed and where it runs."""
+    version = branch[1:] if re.fullmatch(r"v\d+\.\d+\.\d+", branch) else branch
+    return f'''# Installs the course package at the release this book was written for, if it is missing (Colab).
+COURSE_VERSION = "{version}"
+try:
+    import mpgpt
+except ImportError:
+    import subprocess, sys
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
+                           f"mpgpt[notebooks] @ git+{url}@v{{COURSE_VERSION}}"])
+    import mpgpt
+print(mpgpt.about(COURSE_VERSION))'''
+
+
+INSTALL_TAGS = ["remove-cell"]  # hidden in the rendered book: it is plumbing, not the lesson
+
+
 def sync_text(text: str, url: str, owner: str, repo: str, branch: str, *, code: bool) -> str:
     """Rewrite the repository URL pieces in one cell's (or page's) text."""
-    if code:
-        text = REPO_URL_LINE.sub(lambda m: f"{m['head']}{m['q']}{url}{m['q']}", text)
     text = COLAB_LINK.sub(f"https://colab.research.google.com/github/{owner}/{repo}/blob/{branch}/", text)
+    if code:  # the install cell is rewritten whole by sync_notebook
+        return text
     return GIT_URL_IN_PROSE.sub(lambda m: f"{m['head']}{url}", text)
 
 
@@ -52,6 +72,14 @@ def sync_notebook(path: Path, settings, write: bool) -> bool:
     """Return True when the notebook was (or, without write, would be) changed."""
     nb = nbformat.read(path, as_version=4)
     changed = False
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    if code:
+        url, _, _, branch = settings
+        wanted = install_cell(url, branch)
+        if code[0].source != wanted or code[0].metadata.get("tags") != INSTALL_TAGS:
+            code[0].source = wanted
+            code[0].metadata["tags"] = list(INSTALL_TAGS)
+            changed = True
     for cell in nb.cells:
         new = sync_text(cell.source, *settings, code=cell.cell_type == "code")
         if new != cell.source:

@@ -18,13 +18,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mpgpt"
 
 # module (or package) -> layer; lower layers know nothing of higher ones.
 LAYERS = {
-    "formats": 0, "data": 0, "precision": 0, "checkpoint": 0, "fused_loss": 0, "scaling": 0, "results": 0,
-    "model": 1,
-    "kernels": 2,
-    "trainer": 3,
-    "distributed": 4,
-    "train": 5,
-    "bench": 6, "plots": 6,
+    "runtime": 0,
+    "formats": 1, "data": 1, "precision": 1, "checkpoint": 1, "fused_loss": 1, "scaling": 1, "results": 1,
+    "model": 2,
+    "kernels": 3,
+    "trainer": 4,
+    "distributed": 5,
+    "train": 6,
+    "bench": 7, "plots": 7,
 }
 # function-level imports that cross an optional dependency: (importer, imported) by layer name
 OPTIONAL_BOUNDARIES = {("model", "kernels")}
@@ -169,9 +170,9 @@ def test_the_package_is_layered_without_cycles():
 
 
 @pytest.mark.parametrize("source, expected", [
-    ("from mpgpt.trainer import Trainer", "layer 3 from layer 0"),
-    ("from mpgpt import Trainer", "layer 3 from layer 0"),           # a lazy re-export of mpgpt
-    ("import mpgpt.train as t", "layer 5 from layer 0"),
+    ("from mpgpt.trainer import Trainer", "layer 4 from layer 1"),
+    ("from mpgpt import Trainer", "layer 4 from layer 1"),           # a lazy re-export of mpgpt
+    ("import mpgpt.train as t", "layer 6 from layer 1"),
     ("def f():\n    from mpgpt import model", "inside a function"),
 ])
 def test_the_parser_sees_every_form_of_import(tmp_path, source, expected):
@@ -198,10 +199,10 @@ def test_the_check_catches_a_planted_problem(planted):
     fake = PACKAGE / "precision.py"
     if planted == "cycle":      # a leaf that imports the trainer, which imports it: upward and a cycle
         edges["mpgpt.precision"] = (fake, edges["mpgpt.precision"][1] + [("mpgpt.trainer", 1, True)])
-        expected = ["layer 3 from layer 0", "import cycle"]
+        expected = ["layer 4 from layer 1", "import cycle"]
     elif planted == "upward":   # the model reaching up to the trainer
         edges["mpgpt.model"] = (fake, edges["mpgpt.model"][1] + [("mpgpt.trainer", 1, True)])
-        expected = ["layer 3 from layer 1"]
+        expected = ["layer 4 from layer 2"]
     else:                       # the same, hidden inside a function
         edges["mpgpt.scaling"] = (fake, edges["mpgpt.scaling"][1] + [("mpgpt.train", 1, False)])
         expected = ["inside a function"]

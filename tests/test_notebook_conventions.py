@@ -18,15 +18,9 @@ import sync_repo_url  # noqa: E402
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 URL, OWNER, REPO, BRANCH = sync_repo_url.repository_settings(ROOT / "_config.yml")
 
-# The install cell, exactly (the spec's template with the configured URL).
-INSTALL_CELL = f'''# On Colab, install mpgpt from the course repository if it is missing.
-REPO_URL = "{URL}"  # kept in step with _config.yml by scripts/sync_repo_url.py
-try:
-    import mpgpt
-except ImportError:
-    import subprocess, sys
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", f"git+{{REPO_URL}}"])
-    import mpgpt'''
+# The install cell, exactly (generated from _config.yml by scripts/sync_repo_url.py).
+INSTALL_CELL = sync_repo_url.install_cell(URL, BRANCH)
+CHECKED = "nbval-check-output"  # the cell tag nbval --nbval-lax compares (invisible in the book)
 
 FENCE_OPEN = re.compile(r"^(?P<fence>`{3,}|:{3,})\{(?P<name>[a-z-]+)\}[ \t]*(?P<arg>\S*)[ \t]*$", re.MULTILINE)
 COLAB_URL = re.compile(r"https://colab\.research\.google\.com/github/[^\s)\"'>\]]+")
@@ -56,6 +50,16 @@ def test_every_toc_chapter_exists_and_every_notebook_is_in_the_toc():
     assert not missing, f"_toc.yml names notebooks that do not exist yet: {missing}"
     unlisted = [p.name for p in NOTEBOOKS if f"notebooks/{p.stem}" not in listed]
     assert not unlisted, f"notebooks missing from _toc.yml (the book would silently skip them): {unlisted}"
+
+
+def test_the_book_release_is_the_package_version():
+    import tomllib
+
+    import mpgpt
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["version"]
+    assert mpgpt.__version__ == version, "mpgpt/__init__.py's __version__ and pyproject.toml disagree"
+    assert BRANCH == f"v{version}", f"_config.yml repository.branch is {BRANCH!r}; the release tag is v{version}"
+    assert f'COURSE_VERSION = "{version}"' in INSTALL_CELL
 
 
 def test_repository_url_is_in_step_everywhere():
@@ -102,8 +106,10 @@ def problems_of(path: Path) -> list[str]:
     code_cells = [c for c in cells if c.cell_type == "code"]
     if not code_cells:
         problems.append("no code cells")
-    elif "\n".join(line.rstrip() for line in code_cells[0].source.strip().splitlines()) != INSTALL_CELL:
+    elif code_cells[0].source.strip() != INSTALL_CELL:
         problems.append(f"the first code cell must be the install cell, exactly:\n{INSTALL_CELL}")
+    elif code_cells[0].metadata.get("tags") != sync_repo_url.INSTALL_TAGS:
+        problems.append(f"the install cell must carry the tags {sync_repo_url.INSTALL_TAGS} (hidden in the book)")
 
     # 3. Device setup that shrinks sizes without a GPU.
     if not any('device = "cuda" if torch.cuda.is_available() else "cpu"' in c.source for c in code_cells):
@@ -149,9 +155,13 @@ def problems_of(path: Path) -> list[str]:
                 problems.append(f"code cell {i} has an error output: {out.get('ename')}: {out.get('evalue')}")
 
     # 7. nbval: at least one checked cell, with output and no stderr.
-    checked = [c for c in code_cells if c.source.lstrip().startswith("# NBVAL_CHECK_OUTPUT")]
+    checked = [c for c in code_cells if CHECKED in c.metadata.get("tags", [])]
     if not checked:
-        problems.append("no cell starts with `# NBVAL_CHECK_OUTPUT`; nbval would compare nothing")
+        problems.append(f"no cell is tagged `{CHECKED}`; nbval would compare nothing")
+    for cell in code_cells:
+        if "NBVAL_" in cell.source:
+            problems.append(f"an NBVAL comment marker shows in the book; use the cell tag `{CHECKED}`: "
+                            f"{cell.source.splitlines()[0]!r}")
     for cell in checked:
         if not cell.get("outputs"):
             problems.append(f"checked cell without output: {cell.source.splitlines()[1:2]}")
@@ -191,5 +201,5 @@ def test_checker_catches_a_broken_notebook(tmp_path):
     text = "\n".join(problems_of(path))
     for expected in ["`# Chapter N — Title`", "Learning objectives", "Open in Colab", "install cell",
                      "device =", "1 exercises", "0 {solution} blocks", "gated", "## Summary",
-                     "never executed", "NBVAL_CHECK_OUTPUT", "metadata.widgets", "should start with 'ch01-'"]:
+                     "never executed", CHECKED, "metadata.widgets", "should start with 'ch01-'"]:
         assert expected in text, f"the checker missed: {expected}\n{text}"

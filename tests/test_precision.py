@@ -3,12 +3,14 @@ import pytest
 import torch
 from torch import nn
 
+from mpgpt import runtime
 from mpgpt.precision import POLICIES, MasterWeights, default_precision, resolve_precision
 
 
 def _fake_gpu(monkeypatch, capability, name):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    # mpgpt.runtime is where the package asks about the GPU (its docstring says why it is patched there).
+    monkeypatch.setattr(runtime, "capability", lambda device=None: capability)
+    monkeypatch.setattr(runtime, "device_name", lambda device=None: name)
 
 
 def test_cpu_default_is_fp32_and_tf32_is_refused():

@@ -200,7 +200,7 @@ def main(argv=None) -> int:
         return 1
     cc = kenv.capability(torch.device("cuda", torch.cuda.current_device()))
     if cc < (8, 0):
-        print(f"{torch.cuda.get_device_name()} is below compute capability 8.0: bf16 Triton does not compile there.")
+        print(f"{kenv.device_name()} is below compute capability 8.0: bf16 Triton does not compile there.")
         return 1
     kernels = [k for k in args.kernels.split(",") if k]
     if cc < (9, 0):

@@ -35,6 +35,8 @@ from types import SimpleNamespace
 
 import torch
 
+from mpgpt import runtime
+
 # Must happen before `import triton` decorates anything (grouped.py, tma.py, gelu.py, ...). setdefault: a user who
 # exported TRITON_INTERPRET themselves (0 or 1) keeps their choice.
 if not torch.cuda.is_available():
@@ -138,7 +140,6 @@ def kernels_available() -> tuple[bool, str]:
     return True, f"Triton {triton.__version__} compiled for {name} (sm_{cc[0]}{cc[1]})"
 
 
-_CAPABILITY: dict = {}
 _NUM_SMS: dict = {}
 
 
@@ -155,11 +156,9 @@ def capability(device=None) -> tuple[int, int]:
     (9, 0) H100/H200. Cached per device: `matmul` asks on every call.
 
     The one function the kernels package consults for the GPU generation (see the module
-    docstring): patch it to make the package plan for another GPU."""
-    idx = _index(device)
-    if idx not in _CAPABILITY:
-        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
-    return _CAPABILITY[idx]
+    docstring). It asks `mpgpt.runtime.capability`, so patching either makes the kernels plan
+    for another GPU."""
+    return runtime.capability(_index(device))
 
 
 def num_sms(device=None) -> int:
@@ -172,7 +171,7 @@ def num_sms(device=None) -> int:
 
 def device_name(device=None) -> str:
     """The GPU's name, e.g. "NVIDIA H200" (only error messages and reports use it)."""
-    return torch.cuda.get_device_name(_index(device))
+    return runtime.device_name(_index(device))
 
 
 def check_device(t: torch.Tensor) -> None:
