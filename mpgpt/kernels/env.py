@@ -9,8 +9,11 @@ Three situations, and what each one means for `mpgpt.kernels`:
 * Triton not installed (macOS, Windows: Triton ships Linux wheels only): `import mpgpt` still
   works; the kernel entry points raise a RuntimeError that says why.
 
-A GPU below compute capability 8.0 (Colab's free T4 is sm_75) cannot compile bf16 Triton code
-(`ptxas: Feature '.bf16' requires .target sm_80`); `check_device` turns that into a clear error.
+A GPU below compute capability 8.0 (Colab's free T4 is sm_75) has no bf16 tensor cores: older
+Tritons fail in ptxas on bf16 code (`Feature '.bf16' requires .target sm_80`), Triton 3.9 compiles
+it to emulation, so `check_device` refuses bf16 there with a clear error, whatever the version,
+and the kernels run in fp16. Since Triton 3.2, tl.dot below sm_80 compiles to FMA instructions
+rather than tensor cores (tests/test_aot_compile.py checks the PTX): correct, but slow.
 
 The public functions, each the one place the package asks its question:
 
@@ -132,11 +135,11 @@ def kernels_available() -> tuple[bool, str]:
     device = torch.device("cuda", torch.cuda.current_device())
     name = device_name(device)
     cc = capability(device)
+    if cc < (7, 0):
+        return False, f"{name} is sm_{cc[0]}{cc[1]}: Triton's matrix kernels need compute capability >= 7.0"
     if cc < (8, 0):
-        return False, (
-            f"{name} is sm_{cc[0]}{cc[1]}: bf16 Triton kernels need compute capability >= 8.0 "
-            "(A100/L4/H100); fp16 inputs are attempted there, untested"
-        )
+        return True, (f"Triton {triton.__version__} compiled for {name} (sm_{cc[0]}{cc[1]}): fp16 only, and "
+                      "tl.dot runs on FMA units, not tensor cores, below sm_80")
     return True, f"Triton {triton.__version__} compiled for {name} (sm_{cc[0]}{cc[1]})"
 
 

@@ -74,12 +74,30 @@ CONFIGS_SM80 = [
     _cfg(64, 32, 32, 5, 2, "sm80"),
     _cfg(32, 64, 32, 5, 2, "sm80"),
 ]
+# Turing (sm_75, Colab's T4: 64 KB of shared memory per block). Triton 3.2 and later compile tl.dot
+# there to plain FMA instructions, not tensor cores (triton-lang/triton pull request 5066), so the
+# kernels run correctly but far below cuBLAS; two pipeline stages of small tiles fit the memory.
+CONFIGS_SM75 = [
+    _cfg(128, 64, 32, 2, 4, "sm75"),
+    _cfg(64, 128, 32, 2, 4, "sm75"),
+    _cfg(64, 64, 32, 2, 4, "sm75"),
+    _cfg(32, 64, 32, 2, 2, "sm75"),
+]
 # MPGPT_AUTOTUNE=0 (launch.autotune_enabled) launches one fixed configuration instead: large
 # tiles, so edge masking is still exercised.
 FIXED_SM90 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
 FIXED_SM80 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=4)
+FIXED_SM75 = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2)
 # The interpreter runs one program at a time in numpy: a fixed small tile, no autotuning.
 INTERPRET_BLOCK = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
+
+
+def arch_of(cc: tuple[int, int]) -> str:
+    """The configuration family for a compute capability: "sm90", "sm80" (Ampere, Ada) or "sm75"."""
+    return "sm90" if cc >= (9, 0) else "sm80" if cc >= (8, 0) else "sm75"
+
+
+FIXED = {"sm90": FIXED_SM90, "sm80": FIXED_SM80, "sm75": FIXED_SM75}
 
 
 def _prune_by_arch(configs, named_args, **kwargs):
@@ -87,7 +105,7 @@ def _prune_by_arch(configs, named_args, **kwargs):
     so importing mpgpt never initialises CUDA)."""
     a = named_args.get("a_ptr")
     cc = env.capability(a.device if isinstance(a, torch.Tensor) else None)
-    want = "sm90" if cc >= (9, 0) else "sm80"
+    want = arch_of(cc)
     kept = [c for c in configs if getattr(c, "mpgpt_arch", None) == want]
     return kept or configs
 
@@ -163,7 +181,7 @@ def matmul_kernel(
 # epilogue needs registers that a plain store does not, so the best tile can differ between them
 # for the same (M, N, K).
 EPILOGUE_KEY = ["HAS_BIAS", "ACTIVATION", "STORE_Z"]
-matmul_autotuned = triton.autotune(configs=CONFIGS_SM90 + CONFIGS_SM80,
+matmul_autotuned = triton.autotune(configs=CONFIGS_SM90 + CONFIGS_SM80 + CONFIGS_SM75,
                                    key=["M", "N", "K", "SPLIT_K"] + EPILOGUE_KEY,
                                    prune_configs_by={"early_config_prune": _prune_by_arch})(matmul_kernel)
 
@@ -240,7 +258,7 @@ def _launch_compiled(a, b, c, bias, z, flags, split_k, stride_cs):
         compiled = matmul_autotuned[grid](*args, **kwargs)
         jit_fn, config = matmul_autotuned.fn, matmul_autotuned.best_config.all_kwargs()
     else:
-        config = FIXED_SM90 if env.capability(a.device) >= (9, 0) else FIXED_SM80
+        config = FIXED[arch_of(env.capability(a.device))]
         compiled = matmul_kernel[grid](*args, **kwargs, **config)
         jit_fn = matmul_kernel
     return compiled_launch(jit_fn, compiled, grid, args, {**kwargs, **config}, n_tensors=5)

@@ -1,0 +1,73 @@
+"""Compile the package's Triton kernels ahead of time for GPUs this machine does not have.
+
+Run by tests/test_aot_compile.py in a child process with TRITON_INTERPRET=0 (the kernels must be
+real JITFunctions, not the interpreter's wrappers). Triton's own compile API needs no GPU:
+
+    triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 75, 32))
+
+Prints one JSON object: for each (target, kernel, dtype) whether it compiled, the shared memory
+the compiled kernel needs, and which multiply instructions its PTX uses.
+"""
+import json
+import os
+import re
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from mpgpt.kernels import gelu, grouped  # noqa: E402
+
+POINTERS = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "z_ptr"]
+INTS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
+        "stride_zm", "stride_zn", "stride_cs"]
+
+
+def instructions(ptx: str) -> dict:
+    found = re.findall(r"^\s*((?:mma|wgmma|fma)\.[\w.]*)", ptx, re.MULTILINE)
+    return {"mma": sum(f.startswith(("mma", "wgmma")) for f in found), "fma": sum(f.startswith("fma") for f in found)}
+
+
+def compile_matmul(cc: int, dtype: str, config: dict) -> dict:
+    signature = {name: f"*{dtype}" for name in POINTERS} | {name: "i32" for name in INTS}
+    constexprs = dict(HAS_BIAS=True, ACTIVATION="gelu", STORE_Z=True, UPCAST=False, SPLIT_K=1,
+                      **{k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")})
+    signature |= {name: "constexpr" for name in constexprs}
+    source = triton.compiler.ASTSource(fn=grouped.matmul_kernel, signature=signature, constexprs=constexprs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", cc, 32),
+                            options=dict(num_warps=config["num_warps"], num_stages=config["num_stages"]))
+    return {"shared": kernel.metadata.shared, **instructions(kernel.asm["ptx"])}
+
+
+def compile_gelu_backward(cc: int, dtype: str) -> dict:
+    signature = {"g_ptr": f"*{dtype}", "z_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "n": "i32", "BLOCK": "constexpr"}
+    source = triton.compiler.ASTSource(fn=gelu._gelu_backward_kernel, signature=signature, constexprs={"BLOCK": 1024})
+    kernel = triton.compile(source, target=GPUTarget("cuda", cc, 32))
+    return {"shared": kernel.metadata.shared}
+
+
+def attempt(fn, *args) -> dict:
+    try:
+        return {"ok": True, **fn(*args)}
+    except Exception as exc:  # what the compiler says is the result being recorded
+        return {"ok": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
+
+
+def main(targets) -> dict:
+    out = {"triton": triton.__version__, "results": []}
+    for cc in targets:
+        arch = grouped.arch_of((cc // 10, cc % 10))
+        out["results"].append({"cc": cc, "kernel": "matmul", "dtype": "fp16", "config": "fixed",
+                               **attempt(compile_matmul, cc, "fp16", grouped.FIXED[arch])})
+        out["results"].append({"cc": cc, "kernel": "gelu_backward", "dtype": "fp16", "config": "-",
+                               **attempt(compile_gelu_backward, cc, "fp16")})
+    # What bf16 does below sm_80 depends on the Triton version: recorded, not assumed.
+    out["results"].append({"cc": 75, "kernel": "matmul", "dtype": "bf16", "config": "fixed",
+                           **attempt(compile_matmul, 75, "bf16", grouped.FIXED["sm75"])})
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main([int(t) for t in sys.argv[1:]] or [75, 80, 89])))
