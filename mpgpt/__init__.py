@@ -19,6 +19,7 @@ inside GPT.use_triton, since Triton is optional (tests/test_layering.py checks a
     train        train() and the `python -m mpgpt.train` command line             chapters 2-5
     bench        `python -m mpgpt.bench train|kernels|ddp`                        chapters 6-8
     plots        figures and widgets the chapters share                           all
+    notebook     chapters without Triton: skip the cells that need it             chapter 6
 
 Names are imported lazily so that `import mpgpt` stays fast and works where Triton is missing.
 """

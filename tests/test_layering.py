@@ -25,7 +25,7 @@ LAYERS = {
     "trainer": 4,
     "distributed": 5,
     "train": 6,
-    "bench": 7, "plots": 7,
+    "bench": 7, "plots": 7, "notebook": 7,
 }
 # function-level imports that cross an optional dependency: (importer, imported) by layer name
 OPTIONAL_BOUNDARIES = {("model", "kernels")}

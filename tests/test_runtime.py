@@ -91,3 +91,15 @@ def test_no_triton_is_reported(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", blocked)
     assert runtime.triton_version() is None
     assert "no triton" in runtime.current("cpu").summary()
+
+
+def test_cell_skipper_follows_what_skipped_cells_define():
+    from mpgpt.notebook import CellSkipper
+    skipper = CellSkipper({"triton", "tl"}, reason="needs Triton")
+    kernel_cell = "@triton.jit\ndef k(x_ptr, B: tl.constexpr):\n    pass\n\ndef helper(a):\n    return a\n"
+    assert skipper.transform(kernel_cell.splitlines(True)) == ["print('[skipped: needs Triton]')\n"]
+    assert skipper.needs_missing("k[(1,)](x)")               # uses what the skipped cell defined
+    assert skipper.needs_missing("y = helper(3)")
+    assert not skipper.needs_missing("import torch\nz = torch.ones(3).sum()")
+    assert not skipper.needs_missing("print(z)")             # z was defined by a cell that ran
+    assert skipper.needs_missing("print(y)")                 # y by one that was skipped
