@@ -16,6 +16,8 @@ def _names(tree: ast.AST) -> tuple[set, set]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Name):
             (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, ast.Attribute):
+            read.add(node.attr)  # so a method name (model.use_triton) can be named as missing
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             bound.add(node.name)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -37,9 +39,10 @@ class CellSkipper:
         except SyntaxError:
             return False  # let Python report it
         read, bound = _names(tree)
-        if read & self.missing:
-            self.missing |= bound  # what this cell would have defined is missing too
+        if (read - bound) & self.missing:  # a name the cell binds itself is not taken from elsewhere
+            self.missing |= bound          # what this cell would have defined is missing too
             return True
+        self.missing -= bound              # redefined by a cell that runs: available again
         return False
 
     def transform(self, lines: list[str]) -> list[str]:

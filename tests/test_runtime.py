@@ -103,3 +103,5 @@ def test_cell_skipper_follows_what_skipped_cells_define():
     assert not skipper.needs_missing("import torch\nz = torch.ones(3).sum()")
     assert not skipper.needs_missing("print(z)")             # z was defined by a cell that ran
     assert skipper.needs_missing("print(y)")                 # y by one that was skipped
+    assert not skipper.needs_missing("y = 4\nprint(y)")      # a cell that defines y itself runs
+    assert not skipper.needs_missing("print(y)")             # and y is available from then on
