@@ -2,7 +2,6 @@
 # Re-measure the single-GPU records on one CUDA GPU of compute capability 8.0 or newer:
 #   kernels-h200          python -m mpgpt.bench kernels
 #   train-h200            python -m mpgpt.bench train (the full ladder, largest batch, profile, real run)
-#   train-h200-rerun      python -m mpgpt.bench train (the scaler rows again, tag "rerun")
 #   scaler-overhead-h200  python benchmarks/scaler_overhead.py --device cuda --preset gpt2
 #
 # Needs only the package installed from the repository (`pip install .`) and a GPU.
@@ -55,14 +54,9 @@ run kernels "$py" -m mpgpt.bench kernels --out-dir "$out"
 
 # Chapters 3, 5 and 7: the training ladder, GPT-2 small at batch 12 x 1024 (record train-h200).
 run train "$py" -m mpgpt.bench train \
-    --configs fp32,tf32,fp16,fp16-gradscaler,bf16,bf16+compile,fp16+compile,bf16+compile+triton \
+    --configs fp32,tf32,bf16,fp16,fp16-gradscaler,bf16+checkpointing,bf16+triton,bf16+compile,fp16+compile,fp16-gradscaler+compile,bf16+compile+cudnn-attn,bf16+compile+cudagraphs,bf16+compile+chunked-loss,bf16+compile-nobias,bf16+compile+triton \
     --warmup 10 --steps 30 --max-batch-config bf16 --profile bf16+compile \
     --real-run-config bf16+compile --real-steps 150 --out-dir "$out"
-
-# Chapter 7: the loss-scaler rows measured again, next to bf16 (record train-h200-rerun).
-run train-rerun "$py" -m mpgpt.bench train \
-    --configs fp16,fp16-gradscaler,bf16,fp16+compile,bf16+compile \
-    --warmup 10 --steps 30 --out-dir "$out" --tag rerun
 
 # Chapter 5: DynamicLossScaler against torch.amp.GradScaler, GPT-2 small, fp16 (record scaler-overhead-h200).
 run scaler-overhead "$py" "$here/scaler_overhead.py" --device cuda --preset gpt2 --out-dir "$out"

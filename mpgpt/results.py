@@ -29,11 +29,9 @@ RECORDS_DIR = Path(__file__).resolve().parent / "records"
 # name -> what the record holds (and the chapter that shows it)
 RECORDS = {
     "kernels-h200": "Triton matmul kernels against cuBLAS, fused bias+GELU, TritonLinear (chapter 6)",
-    "train-h200": "GPT-2 small training throughput ladder, largest batch, a real run (chapters 3, 5, 7)",
-    "train-h200-rerun": "the ladder's scaler rows re-measured after the sync-free scaler (chapter 7)",
+    "train-h200": "GPT-2 small training ladder in one run: 15 configurations, largest batch, a real run (chapters 3, 5, 7)",
     "scaler-overhead-cpu": "DynamicLossScaler against torch.amp.GradScaler, step time on 2 CPU cores (chapter 5)",
     "scaler-overhead-h200": "DynamicLossScaler against torch.amp.GradScaler, step time on an H200 (chapter 5)",
-    "train-h200-variants": "further training configurations, one recording per run, each with its environment (chapter 7)",
     "ddp-h200x2": "DDP and FSDP2 on 1 and 2 H200s: tokens/s and scaling efficiency (chapter 8)",
     "ddp-h200x2-variants": "DDP bucket sizes and compiled graphs on 2 H200s, one recording per run (chapter 8)",
 }
