@@ -109,19 +109,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     paths = args.notebooks or sorted((ROOT / "notebooks").glob("*.ipynb"))
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for path in paths:
-            row = run_chapter(path.resolve(), args.profile, Path(tmp))
-            rows.append(row)
-            print(f"[{args.profile}] {row['chapter']}: {row['wall_s']} s, "
-                  f"{'ok' if row['error'] is None else row['error']}, cuda autocast {row['cuda_autocast']}", flush=True)
     import torch
     record = {"profile": args.profile, "simulated": PROFILES[args.profile][0] or torch.cuda.get_device_name(0),
               "real_gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "chapters": rows}
-    args.out.write_text(json.dumps(record, indent=1))
-    return 0 if all(r["error"] is None for r in rows) else 1
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "chapters": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in paths:
+            row = run_chapter(path.resolve(), args.profile, Path(tmp))
+            record["chapters"].append(row)
+            args.out.write_text(json.dumps(record, indent=1))  # after each chapter: a cut-off run keeps its rows
+            print(f"[{args.profile}] {row['chapter']}: {row['wall_s']} s, "
+                  f"{'ok' if row['error'] is None else row['error']}, cuda autocast {row['cuda_autocast']}", flush=True)
+    return 0 if all(r["error"] is None for r in record["chapters"]) else 1
 
 
 if __name__ == "__main__":
