@@ -92,7 +92,9 @@ def run_chapter(path: Path, profile: str, work: Path) -> dict:
     try:
         NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(folder)}}).execute()
     except Exception as exc:  # the first failing cell: recorded, and the next chapter runs
+        import traceback
         error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ''}"
+        error += " | " + " / ".join(traceback.format_exc().strip().splitlines()[-4:])[:600]
     wall = time.perf_counter() - start
     dtypes = log.read_text().split() if log.exists() else []
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
