@@ -154,23 +154,35 @@ class DelayedScaling:
     amax of the previous ``history`` steps, so it is known before the tensor exists (a fused kernel
     can cast on the fly). The first step, with no history yet, uses its own amax. A tensor that
     grows faster than the history saturates — which is why torchao dropped the recipe in 2025 in
-    favour of current (tensorwise) scaling."""
+    favour of current (tensorwise) scaling. The history stays on the tensor's device: no host sync."""
 
     history: int = 16
-    amaxes: list = field(default_factory=list)
+    amax_history: torch.Tensor | None = None   # (history,), newest first
+    steps: int = 0
 
     def quantize(self, x: torch.Tensor, fmt=E4M3, record: bool = True) -> ScaledFp8:
         """Cast with the scale the history gives; ``record=False`` for a second cast of the same
         tensor in one step (the backward pass casts x, w and g twice)."""
-        amax = max(self.amaxes) if self.amaxes else None
-        q = quantize(x, fmt, "delayed", amax=None if amax is None else torch.tensor(amax))
+        amax = self.amax_history.amax() if self.steps else None
+        q = quantize(x, fmt, "delayed", amax=amax)
         if record:
             self.record(q.amax)
         return q
 
     def record(self, amax: torch.Tensor) -> None:
-        """Append this step's amax (one host sync: fine for teaching; Transformer Engine keeps the history on the GPU)."""
-        self.amaxes = (self.amaxes + [float(amax)])[-self.history:]
+        """Push this step's amax into the history (the oldest one drops out)."""
+        if self.amax_history is None:
+            self.amax_history = torch.zeros(self.history, device=amax.device, dtype=torch.float32)
+        self.amax_history = torch.roll(self.amax_history, 1)
+        self.amax_history[0] = amax
+        self.steps += 1
+
+    @property
+    def amaxes(self) -> list[float]:
+        """The recorded amaxes, newest first (a host copy, for display)."""
+        if self.amax_history is None:
+            return []
+        return self.amax_history[: min(self.steps, self.history)].tolist()
 
 
 # ---------------------------------------------------------------------------------------------
