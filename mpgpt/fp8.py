@@ -15,7 +15,7 @@ So :func:`saturating_cast` clamps explicitly, and every recipe below keeps the a
 The recipes differ in how many values share one scale (the *granularity*):
 
     tensorwise   one scale per tensor, from this step's amax ("current" or dynamic scaling)
-    rowwise      one scale per row (torchao's default for accuracy)
+    rowwise      one scale per row (torchao's rowwise recipe, its choice for accuracy)
     block        one scale per 1 x 128 block of a row (DeepSeek-V3's activation scaling)
     delayed      one scale per tensor, from the largest amax of the last few steps
                  (Transformer Engine's DelayedScaling; see DelayedScaling)
@@ -153,8 +153,8 @@ class DelayedScaling:
     """Transformer Engine's delayed scaling for one tensor: the scale of step t comes from the largest
     amax of the previous ``history`` steps, so it is known before the tensor exists (a fused kernel
     can cast on the fly). The first step, with no history yet, uses its own amax. A tensor that
-    grows faster than the history saturates — which is why torchao dropped the recipe in 2025 in
-    favour of current (tensorwise) scaling. The history stays on the tensor's device: no host sync."""
+    grows faster than the history saturates, silently. torchao removed the recipe in 2025; its users
+    preferred current (tensorwise) scaling. The history stays on the tensor's device: no host sync."""
 
     history: int = 16
     amax_history: torch.Tensor | None = None   # (history,), newest first
@@ -254,8 +254,8 @@ def matmul_error_bound(a: ScaledFp8, a_ref: torch.Tensor, b: ScaledFp8, b_ref: t
 
     With per-element cast errors |da| <= ea and |db| <= eb (quantization_error_bound), each product
     errs by at most ea|b| + |a|eb + ea eb, so in a dot product of length K the errors add up to
-    ea @ |b|.T + |a| @ eb.T + ea @ eb.T: a relative error of at most 2u + u^2 of sum_k |a_k b_k|
-    (e4m3 x e4m3: 0.129; e4m3 x e5m2: 0.195), whatever K is. For random signs the errors mostly
+    ea @ |b|.T + |a| @ eb.T + ea @ eb.T: a relative error of at most u_a + u_b + u_a u_b of
+    sum_k |a_k b_k| (e4m3 x e4m3: 0.129; e5m2 x e4m3: 0.195), whatever K is. For random signs the errors mostly
     cancel, so the error seen is far smaller, growing like sqrt(K) rather than K. Summing K terms
     in an accumulator with p significant bits adds at most gamma_K = K 2^-p / (1 - K 2^-p) of the
     sum of |products| (Higham); fp32 (p = 24) makes that negligible up to K of about a million."""
