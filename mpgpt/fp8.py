@@ -79,6 +79,7 @@ def scale_from_amax(amax: torch.Tensor, fmt=E4M3, power_of_two: bool = True) -> 
     s = torch.where(amax > 0, fmax / amax.clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
     if power_of_two:
         s = torch.exp2(torch.floor(torch.log2(s)))
+        s = torch.where(amax * s > fmax, s * 0.5, s)  # fmax / amax rounded up onto a power of two
     return s
 
 
