@@ -13,6 +13,7 @@ inside GPT.use_triton, since Triton is optional (tests/test_layering.py checks a
     fused_loss   output layer + cross-entropy in chunks, never the full logits    chapter 7
     results      the benchmark result format; curated records shipped inside      chapters 6-8
     model        GPTConfig and GPT, the fp32 reference model; peak FLOP/s, MFU    chapters 2, 7
+    fp8          saturating fp8 casts, scaling recipes, scaled matmul, Fp8Linear  chapter 9
     kernels      Triton matmul kernels, plan(), TritonLinear                      chapter 6
     trainer      TrainConfig, History, Trainer: the step, the loop, checkpoints   chapters 2-5
     distributed  DDP / FSDP2 on top of the trainer, rank-agreed overflow          chapter 8

@@ -2,6 +2,7 @@
 import sys
 
 COMMANDS = {"train": "mpgpt.bench.training", "kernels": "mpgpt.bench.kernels", "ddp": "mpgpt.bench.ddp"}
+COMMANDS["fp8"] = "mpgpt.bench.fp8"  # chapter 9: fp8 GEMMs, the crossover map, accumulation
 
 
 def main(argv=None) -> int:

@@ -15,6 +15,7 @@ The package, one file per idea:
     launch.py    repeating a launch without Triton's Python launch path
     matmul.py    the public matmul, and plan(): which kernel runs, and why
     gelu.py      GELU's backward in one pass
+    fp8_matmul.py  chapter 9's fp8 GEMM: scales in the epilogue, fp8 output with its amax
     linear.py    TritonLinear; ops.py: its kernels as torch.compile-traceable custom operators
     (the benchmark against cuBLAS is mpgpt/bench/kernels.py: python -m mpgpt.bench kernels)
 

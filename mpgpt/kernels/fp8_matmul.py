@@ -1,0 +1,201 @@
+"""An fp8 GEMM in Triton with the scales in its epilogue (chapter 9).
+
+    c = (a @ b.T) * scale_a * scale_b      a: (M, K) fp8   b: (N, K) fp8 (nn.Linear's layout)   c: (M, N)
+
+The kernel of chapter 6 (grouped.py) with fp8 operands and three changes, all in the epilogue or
+the K loop:
+
+* **Scales in the epilogue.** The dequantisation scales (mpgpt.fp8: x ≈ data * scale) are either
+  one number per operand (tensorwise) or one per row of a and one per row of b (rowwise). Both
+  are constant along K, so they factor out of every dot product: the kernel multiplies the fp32
+  accumulator by them once, after the K loop, instead of dequantising every tile.
+* **fp8 output with its amax.** With an fp8 ``out_dtype`` the epilogue also multiplies by the
+  next tensor's quantisation scale, clamps to the format's largest value (saturation, never NaN),
+  casts, and takes the tile's largest magnitude into a one-element amax with an atomic max. The
+  next layer's cast and amax then cost no extra pass over memory: the output is already fp8, and
+  its amax is ready to choose the next step's scale (a delayed recipe).
+* **Promotion.** Hopper's fp8 tensor cores keep only about 14 mantissa bits while they accumulate
+  (DeepSeek-V3 measured it). ``promote=True`` passes ``max_num_imprecise_acc=BLOCK_K`` to
+  ``tl.dot``, so every BLOCK_K (at most 128) elements of K the partial sum is added into the fp32
+  accumulator, as DeepGEMM does every 128; ``promote=False`` leaves Triton's Hopper default, which
+  never promotes (faster, less accurate), like ``use_fast_accum=True`` in ``torch._scaled_mm``.
+
+b is read through its strides as the (K, N) view b.T: K is then the contiguous dimension of both
+operands' tiles, the layout fp8 tensor cores want (torch._scaled_mm asks for the same thing by
+requiring a column-major second operand).
+
+Where it runs: compiled on sm_89 (Ada, L4) and sm_90 (Hopper), the GPUs with fp8 tensor cores;
+in Triton's CPU interpreter for learning and tests. The interpreter loads fp8 correctly but its
+fp32 -> fp8 conversion rounds wrongly when rounding carries into the next power of two (seen with
+Triton 3.9: 31.9 became 16), so there the kernel upcasts the tiles to fp32, stores the scaled fp32
+result, and the host casts it (torch rounds to nearest even). Promotion means nothing in the
+interpreter, which sums in fp32 or better.
+"""
+from __future__ import annotations
+
+import torch
+
+from mpgpt.fp8 import E4M3, E5M2, ScaledFp8
+
+from . import env
+from .env import tl, triton
+from .epilogue import tile_coords
+
+FP8_DTYPES = {torch.float8_e4m3fn: E4M3, torch.float8_e5m2: E5M2}
+
+
+def _cfg(bm, bn, bk, stages, warps):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=stages,
+                         num_warps=warps)
+
+
+# fp8 tiles are half the bytes of bf16 ones, so BLOCK_K doubles to 128 for the same shared memory.
+# Five configurations keep the first call of each variant short (each is compiled and timed);
+# those that do not fit a GPU (an L4 has about 100 KB of shared memory per multiprocessor) fail
+# to compile and the autotuner skips them.
+CONFIGS = [
+    _cfg(128, 256, 128, 3, 8),
+    _cfg(256, 128, 128, 3, 8),
+    _cfg(128, 128, 128, 4, 8),
+    _cfg(64, 128, 128, 4, 4),
+    _cfg(64, 64, 128, 3, 4),    # 48 KB: fits every fp8 GPU
+]
+INTERPRETER_TILE = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
+
+
+@triton.jit
+def fp8_matmul_kernel(
+    a_ptr, b_ptr, c_ptr,            # a (M, K) fp8, b (N, K) fp8 read as b.T (K, N), c (M, N)
+    scale_a_ptr, scale_b_ptr,       # fp32 dequantisation scales: 1 each, or M and N (ROWWISE)
+    out_scale_ptr, amax_ptr,        # fp8 output only: the multiplier before the cast; amax (1,) fp32
+    M, N, K,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    OUT_MAX: tl.constexpr,          # largest finite value of c's fp8 format (saturation)
+    ROWWISE: tl.constexpr,          # scales per row of a and of b, else one each
+    OUT_FP8: tl.constexpr,          # scale, clamp and cast the output; record its amax
+    PROMOTE: tl.constexpr,          # add partial sums into fp32 every BLOCK_K elements of K
+    UPCAST: tl.constexpr,           # interpreter: fp32 tiles and an fp32 output (see module docstring)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak      # (BLOCK_M, BLOCK_K)
+    b_ptrs = b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn      # (BLOCK_K, BLOCK_N) of b.T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(rm[:, None] < M) & (rk[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(rk[:, None] < k_left) & (rn[None, :] < N), other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)   # exact: every fp8 value is an fp32 value
+            b = b.to(tl.float32)
+        if PROMOTE:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    # Epilogue: the scales factor out of the K sum, so they are applied once, in fp32.
+    if ROWWISE:
+        sa = tl.load(scale_a_ptr + rm, mask=rm < M, other=0.0)
+        sb = tl.load(scale_b_ptr + rn, mask=rn < N, other=0.0)
+        acc = acc * sa[:, None] * sb[None, :]
+    else:
+        acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    if OUT_FP8:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(mask, tl.abs(acc), 0.0), axis=1), axis=0))
+        y = tl.clamp(acc * tl.load(out_scale_ptr), -OUT_MAX, OUT_MAX)
+        if UPCAST:
+            tl.store(c_ptrs, y, mask=mask)
+        else:
+            tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+fp8_matmul_autotuned = triton.autotune(configs=CONFIGS, key=["M", "N", "K", "ROWWISE", "OUT_FP8", "PROMOTE"])(
+    fp8_matmul_kernel) if env.TRITON_IMPORT_ERROR is None else fp8_matmul_kernel
+
+
+def _scale_vector(scale: torch.Tensor, rows: int, name: str) -> tuple[torch.Tensor, bool]:
+    """A dequantisation scale as the kernel reads it: (1,) tensorwise or (rows,) rowwise, fp32."""
+    scale = torch.as_tensor(scale, dtype=torch.float32)
+    if scale.numel() == 1:
+        return scale.reshape(1).contiguous(), False
+    if scale.numel() == rows:
+        return scale.reshape(rows).contiguous(), True
+    raise ValueError(f"{name} has {scale.numel()} values; give one (tensorwise) or one per row ({rows})")
+
+
+def check_fp8_device(t: torch.Tensor) -> None:
+    """Raise a one-line error unless the fp8 kernel can run where ``t`` lives."""
+    ok, why = env.kernels_available()
+    if not ok:
+        raise RuntimeError(why)
+    if t.device.type == "cuda":
+        cc = env.capability(t.device)
+        if cc < (8, 9):
+            raise RuntimeError(f"{env.device_name(t.device)} (sm_{cc[0]}{cc[1]}) has no fp8 tensor cores (sm_89+ needed); "
+                               "use mpgpt.fp8.scaled_matmul, which emulates fp8 there")
+    elif not env.interpreting():
+        raise RuntimeError("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing mpgpt")
+
+
+def fp8_matmul(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out_dtype=torch.bfloat16,
+               out_scale=None, promote: bool = True):
+    """``(a @ b.T) * scale_a * scale_b`` for fp8 a (M, K) and b (N, K), in ``out_dtype``.
+
+    Scales are dequantisation scales (mpgpt.fp8.ScaledFp8.scale): one number each, or one per row
+    of a (M values) and of b (N values). With an fp8 ``out_dtype`` (torch.float8_e4m3fn or
+    float8_e5m2) give ``out_scale``, the multiplier applied before the saturating cast; the call
+    then returns ``(c, amax)``, amax being the largest |c| before that scaling (a (1,) fp32 tensor)."""
+    if a.dtype not in FP8_DTYPES or b.dtype not in FP8_DTYPES:
+        raise TypeError(f"fp8_matmul takes fp8 operands (float8_e4m3fn / float8_e5m2), got {a.dtype} and {b.dtype}; "
+                        "cast them with mpgpt.fp8.quantize")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: give a (M, K) and b (N, K) with the same K")
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        raise TypeError("e5m2 x e5m2 has no tensor-core instruction; keep one operand in e4m3fn")
+    check_fp8_device(a)
+    M, K = a.shape
+    N = b.shape[0]
+    sa, row_a = _scale_vector(scale_a, M, "scale_a")
+    sb, row_b = _scale_vector(scale_b, N, "scale_b")
+    if row_a != row_b:  # one of each: broadcast the single one, the kernel then reads vectors
+        sa, sb = sa.expand(M).contiguous(), sb.expand(N).contiguous()
+    rowwise = row_a or row_b
+    out_fp8 = out_dtype in FP8_DTYPES
+    if out_fp8 and out_scale is None:
+        raise ValueError("an fp8 output needs out_scale, the multiplier before the cast (mpgpt.fp8.scale_from_amax)")
+    upcast = env.interpreting()
+    store_dtype = torch.float32 if upcast else out_dtype
+    c = torch.empty(M, N, device=a.device, dtype=store_dtype)
+    amax = torch.zeros(1, device=a.device, dtype=torch.float32)
+    out_scale_t = torch.as_tensor(1.0 if out_scale is None else out_scale, dtype=torch.float32).reshape(1).to(a.device)
+    out_max = FP8_DTYPES[out_dtype].max_finite if out_fp8 else 0.0
+    sa, sb = sa.to(a.device), sb.to(a.device)
+    args = (a, b, c, sa, sb, out_scale_t, amax, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            c.stride(0), c.stride(1))
+    flags = dict(OUT_MAX=out_max, ROWWISE=rowwise, OUT_FP8=out_fp8, PROMOTE=promote, UPCAST=upcast)
+    if upcast:
+        grid = (triton.cdiv(M, INTERPRETER_TILE["BLOCK_M"]) * triton.cdiv(N, INTERPRETER_TILE["BLOCK_N"]),)
+        fp8_matmul_kernel[grid](*args, **flags, **INTERPRETER_TILE)
+        c = c.to(out_dtype)  # torch's cast rounds to nearest even (values are already clamped)
+    else:
+        def grid(meta):
+            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        fp8_matmul_autotuned[grid](*args, **flags)
+    return (c, amax) if out_fp8 else c
+
+
+def fp8_linear_matmul(a: ScaledFp8, b: ScaledFp8, out_dtype=torch.bfloat16, promote: bool = True) -> torch.Tensor:
+    """``a @ b.T`` for two mpgpt.fp8 operands (tensorwise, delayed or rowwise scales) through the kernel."""
+    if a.block is not None or b.block is not None:
+        raise ValueError("block scales vary along K, so they cannot be applied in the epilogue; "
+                         "use mpgpt.fp8.scaled_matmul for the block recipe")
+    return fp8_matmul(a.data, b.data, a.scale, b.scale, out_dtype=out_dtype, promote=promote)
