@@ -7,7 +7,7 @@ gradient) holds an inf or a NaN. They are cheap enough for a debugging session, 
 step: each hook reads a flag back from the device.
 
     name = first_nonfinite_module(model, lambda: model(x, y))          # forward
-    name = first_nonfinite_grad(model, lambda: model(x, y)[1].backward())  # backward
+    name = first_nonfinite_grad(model, lambda: scaler.scale(model(x, y)[1]).backward())  # backward
 
 Names are those of ``model.named_modules()`` ("" is the model itself). The hooks are removed
 afterwards, also when the pass raises.
@@ -62,22 +62,34 @@ def first_nonfinite_module(model: nn.Module, run: Callable[[], Any]) -> str | No
 
 
 def first_nonfinite_grad(model: nn.Module, run: Callable[[], Any]) -> str | None:
-    """Call ``run()`` (a forward and a backward pass) with a backward hook on every module; return the
-    name of the first module, in backward order, whose gradient with respect to its inputs holds an
-    inf or a NaN while the gradient it received was finite: the module where the gradient went bad.
-    None if there is none (all finite, or the bad values arrived with the loss itself)."""
+    """Call ``run()`` (a forward and a backward pass) with gradient hooks on every module's outputs
+    and every parameter; return the name of the first of them, in the order backward computes
+    the gradients, whose gradient holds an inf or a NaN, or None if none did.
+
+    A module output is named after its module ("transformer.h.1.mlp.c_fc"), a parameter as in
+    ``named_parameters()`` ("transformer.h.1.mlp.c_fc.weight"). Backward runs from the loss
+    towards the inputs, so the first name is the latest point of the network where the gradient
+    was already bad: with a loss scale too large for fp16, the output nearest the loss.
+    """
     found: list[str] = []
     names = {id(m): name for name, m in model.named_modules()}
 
-    def hook(module, grad_input, grad_output):
-        if not found and all_finite(grad_output) and not all_finite(grad_input):
-            found.append(names[id(module)])
+    def watch(name):
+        def hook(grad):
+            if not found and grad is not None and not bool(torch.isfinite(grad).all()):
+                found.append(name)
+        return hook
 
-    handles = [m.register_full_backward_hook(hook) for m in model.modules()]
+    def forward_hook(module, inputs, output):
+        for t in tensors_in(output):
+            if t.requires_grad:
+                t.register_hook(watch(names[id(module)]))  # lives as long as the tensor: no handle to keep
+
+    handles = [m.register_forward_hook(forward_hook) for m in model.modules()]
+    handles += [p.register_hook(watch(name)) for name, p in model.named_parameters() if p.requires_grad]
     try:
         run()
     finally:
         for h in handles:
             h.remove()
     return found[0] if found else None
-
