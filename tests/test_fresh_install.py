@@ -87,3 +87,25 @@ def test_wheel_benchmark_writes_its_result_into_the_current_folder(fresh_python,
     assert len(written) == 1 and written[0].startswith("train_cpu_") and written[0].endswith("_fresh.json"), written
     assert not list(Path(site, "mpgpt").rglob("train_*.json"))  # nothing written into the package
     assert "wrote" in stdout
+
+
+def test_wheel_grader_writes_a_stub_and_grades_it_from_an_empty_folder(fresh_python, tmp_path):
+    # The student edition: no tests/ folder beside the wheel, so the checks must ship inside it.
+    python, site = fresh_python
+    _, stdout = run_in_empty_folder(python, tmp_path, """
+        import contextlib, io, sys
+        import mpgpt
+        from mpgpt.grade.__main__ import main
+        assert mpgpt.__file__.startswith(sys.argv[1]), mpgpt.__file__
+        assert main(["--stub", "ch5-scaler", "-o", "mine.py"]) == 0
+        with contextlib.redirect_stdout(io.StringIO()) as report:
+            stub_status = main(["ch5-scaler", "mine.py"])
+        open("own.py", "w").write("from mpgpt.scaling import DynamicLossScaler\\n")
+        with contextlib.redirect_stdout(io.StringIO()) as good:
+            own_status = main(["ch5-scaler", "own.py"])
+        import mpgpt.labs.broken_clipping  # the lab's scripts ship too
+        print(stub_status, own_status, report.getvalue().count("FAIL"), good.getvalue().splitlines()[-1])
+    """, site)
+    stub_status, own_status, fails, *last = stdout.split("\n")[-2].split(" ", 3)
+    assert (stub_status, own_status) == ("1", "0") and int(fails) >= 6, stdout
+    assert last[0].startswith("ch5-scaler:") and last[0].endswith("behaviours pass"), stdout
