@@ -19,6 +19,8 @@ inside GPT.use_triton, since Triton is optional (tests/test_layering.py checks a
     train        train() and the `python -m mpgpt.train` command line             chapters 2-5
     bench        `python -m mpgpt.bench train|kernels|ddp`                        chapters 6-8
     plots        figures and widgets the chapters share                           all
+    labs         the NaN lab: hooks that name the first inf/NaN, broken scripts   lab after 5
+    grade        `python -m mpgpt.grade`: the student edition's grader            chapters 1, 5, 6, lab
 
 Names are imported lazily so that `import mpgpt` stays fast and works where Triton is missing.
 """
