@@ -119,3 +119,40 @@ def test_backward_hooks_name_the_output_whose_gradient_overflows_fp16():
     assert first_nonfinite_grad(model, run(2.0**20)) == "1"
     assert not any(m._forward_hooks for m in model.modules())
     assert all(not p._backward_hooks for p in model.parameters())
+
+
+def _lab_gpu_check():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "lab_gpu_check.py"
+    spec = importlib.util.spec_from_file_location("lab_gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_counts_only_sync_warnings_and_refuses_a_cpu(capsys):
+    import warnings
+
+    check = _lab_gpu_check()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn("called a synchronizing CUDA operation (Triggered internally at x.cpp:1.)")
+        warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all")
+        warnings.warn("something else entirely")
+    assert check.sync_messages(caught) == ["called a synchronizing CUDA operation (Triggered internally at x.cpp:1.)"]
+    if not torch.cuda.is_available():
+        assert check.main([]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_gpu_check_grades_the_package_own_implementations():
+    # The GPU run grades these same files with the kernel compiled; here they pass on the CPU.
+    check = _lab_gpu_check()
+    from mpgpt.kernels import env
+    if env.TRITON_IMPORT_ERROR is not None:
+        pytest.skip("Triton is not installed")
+    results = check.grade_part()
+    assert set(results) == set(check.COMPONENTS)
+    assert all(not r["failed"] and r["behaviours"] >= 7 for r in results.values()), results
