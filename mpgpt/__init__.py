@@ -21,6 +21,8 @@ inside GPT.use_triton, since Triton is optional (tests/test_layering.py checks a
     bench        `python -m mpgpt.bench train|kernels|ddp`                        chapters 6-8
     plots        figures and widgets the chapters share                           all
     notebook     chapters without Triton: skip the cells that need it             chapter 6
+    labs         the NaN lab: hooks that name the first inf/NaN, broken scripts   lab after 5
+    grade        `python -m mpgpt.grade`: the student edition's grader            chapters 1, 5, 6, lab
 
 Names are imported lazily so that `import mpgpt` stays fast and works where Triton is missing.
 """

@@ -81,6 +81,8 @@ def problems_of(path: Path) -> list[str]:
     nb = nbformat.read(path, as_version=4)
     cells = nb.cells
     number = int(path.name[:2]) if path.name[:2].isdigit() else None
+    # A letter after the two digits makes a lab (05b_...): `# Lab — Title`, labels `lab-...`.
+    lab = re.match(r"\d\d[a-z]_", path.name) is not None
     problems = []
     if not cells:
         return ["the notebook is empty"]
@@ -89,7 +91,9 @@ def problems_of(path: Path) -> list[str]:
     first = cells[0]
     if first.cell_type != "markdown" or not first.source.startswith("# "):
         problems.append("the first cell must be markdown starting with `# Chapter N — Title`")
-    elif not re.match(rf"# Chapter {number} — \S", first.source):
+    elif lab and not re.match(r"# Lab — \S", first.source):
+        problems.append(f"a lab's title must read `# Lab — Title`, got {first.source.splitlines()[0]!r}")
+    elif not lab and not re.match(rf"# Chapter {number} — \S", first.source):
         problems.append(f"the title must read `# Chapter {number} — Title`, got {first.source.splitlines()[0]!r}")
     intro = "\n".join(c.source for c in cells[: next((i for i, c in enumerate(cells) if c.cell_type == "code"), len(cells))])
     if not re.search(r"^## Learning objectives\s*\n+(\s*[-*] .+\n?)+", intro, re.MULTILINE):
@@ -130,7 +134,9 @@ def problems_of(path: Path) -> list[str]:
         problems.append(f"{len(labels)} exercises; each chapter has 2-4")
     solutions = [arg for name, arg, _ in found if name == "solution"]
     for label in labels:
-        if number is not None and not label.startswith(f"ch{number:02d}-"):
+        if lab and not label.startswith("lab-"):
+            problems.append(f"exercise label {label!r} should start with 'lab-' (labels are global to the book)")
+        elif not lab and number is not None and not label.startswith(f"ch{number:02d}-"):
             problems.append(f"exercise label {label!r} should start with 'ch{number:02d}-' (labels are global to the book)")
         if solutions.count(label) != 1:
             problems.append(f"exercise {label!r} has {solutions.count(label)} {{solution}} blocks; it needs exactly one")
@@ -203,3 +209,15 @@ def test_checker_catches_a_broken_notebook(tmp_path):
                      "device =", "1 exercises", "0 {solution} blocks", "gated", "## Summary",
                      "never executed", CHECKED, "metadata.widgets", "should start with 'ch01-'"]:
         assert expected in text, f"the checker missed: {expected}\n{text}"
+
+
+def test_a_lab_needs_a_lab_title_and_lab_labels(tmp_path):
+    """A notebook named with a letter after its two digits is a lab: chapter titles and labels are reported."""
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("# Chapter 5 — Not a lab title"),
+        nbformat.v4.new_markdown_cell("```{exercise}\n:label: ch05-ex1\n\nDo it.\n```"),
+    ])
+    path = tmp_path / "05b_some_lab.ipynb"
+    nbformat.write(nb, path)
+    text = "\n".join(problems_of(path))
+    assert "`# Lab — Title`" in text and "should start with 'lab-'" in text, text

@@ -1,0 +1,192 @@
+"""ch1-rounding: round an fp32 bit pattern to fp16 or bf16, bit by bit (chapter 1).
+
+The learner writes ``round_fp32_bits(bits, fmt)``: the 32-bit pattern of an fp32 number in, the
+16-bit pattern of the nearest fp16 or bf16 number out, ties to even, with subnormals, signed
+zeros, infinities and NaN. The expected patterns come from torch's own casts
+(``mpgpt.formats.encode``), which round to nearest even; tests/test_formats.py shows that the
+package's pure-Python rounding agrees with them bit for bit.
+"""
+from __future__ import annotations
+
+import random
+import struct
+
+import torch
+
+from mpgpt import formats
+
+from .core import Check, Failed, expect
+
+NAME = "ch1-rounding"
+FORMATS = ("fp16", "bf16")
+
+STUB = '''"""Chapter 1, graded: round fp32 to fp16 or bf16 on the bit patterns.
+
+Grade it with:  python -m mpgpt.grade ch1-rounding this_file.py
+"""
+
+
+def round_fp32_bits(bits: int, fmt: str) -> int:
+    """Round the fp32 number whose 32-bit pattern is ``bits`` to ``fmt``; return its 16-bit pattern.
+
+    bits: an int in [0, 2**32), e.g. 0x3F800000 for 1.0 (struct.pack("<f", x) gives you patterns).
+    fmt:  "fp16" (1 sign, 5 exponent, 10 mantissa bits, bias 15) or
+          "bf16" (1 sign, 8 exponent, 7 mantissa bits, bias 127).
+    Returns an int in [0, 2**16): sign | exponent field | mantissa field.
+
+    What the grader checks, one behaviour at a time:
+    - exactly representable numbers keep their value; -0.0 keeps its sign;
+    - round to nearest, and on an exact tie to the neighbour whose last mantissa bit is 0;
+    - values past the largest finite number (65504 in fp16) round to infinity, as IEEE 754 says;
+    - fp16's gradual underflow: values below 2**-14 become subnormals (exponent field 0), and
+      values at or below half the smallest subnormal (2**-25) round to zero;
+    - infinities stay infinities, NaN stays NaN (any NaN pattern will do).
+    Work on integers (shifts and masks) or with exact fractions, as chapter 1 does; do not call
+    torch or numpy casts, which would be grading them instead of you.
+    """
+    raise NotImplementedError
+'''
+
+
+def _f32(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def _bits32(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def expected(bits: int, fmt: str) -> int:
+    """torch's cast of the fp32 number with pattern ``bits`` to fmt, as a 16-bit pattern."""
+    signed = bits - (1 << 32) if bits >= 1 << 31 else bits
+    t = torch.tensor([signed], dtype=torch.int32).view(torch.float32)  # bits -> fp32, exactly
+    return int(formats.encode(t, fmt)[0])
+
+
+def _is_nan(pattern: int, fmt: str) -> bool:
+    f = formats.get_format(fmt)
+    top = (1 << f.exponent_bits) - 1
+    return (pattern >> f.mantissa_bits) & top == top and pattern & ((1 << f.mantissa_bits) - 1) != 0
+
+
+def _compare(module, cases: list[int], fmt: str, what: str) -> None:
+    """Every case must give torch's pattern (any NaN for a NaN); report the first mismatch."""
+    wrong = []
+    for bits in cases:
+        want = expected(bits, fmt)
+        got = module.round_fp32_bits(bits, fmt)
+        expect(isinstance(got, int) and not isinstance(got, bool), f"returned {type(got).__name__}, not an int")
+        ok = _is_nan(got, fmt) if _is_nan(want, fmt) else got == want
+        if not ok:
+            wrong.append((bits, got, want))
+    if wrong:
+        bits, got, want = wrong[0]
+        raise Failed(f"{fmt}: {len(wrong)} of {len(cases)} {what} differ, e.g. {_f32(bits)!r} "
+                             f"(0x{bits:08X}) -> got 0x{got:04X}, expected 0x{want:04X}")
+
+
+def _fp32_of(pattern: int, fmt: str) -> int:
+    """The fp32 pattern of the 16-bit number ``pattern`` (exact: fp32 holds every fp16/bf16 value)."""
+    f = formats.get_format(fmt)
+    signed = pattern - (1 << 16) if pattern >= 1 << 15 else pattern
+    value = torch.tensor([signed], dtype=torch.int16).view(f.dtype).float()
+    return _bits32(value.item())
+
+
+def _finite_normal_patterns(fmt: str, n: int, rng: random.Random) -> list[int]:
+    f = formats.get_format(fmt)
+    top = (1 << f.exponent_bits) - 1
+    out = []
+    while len(out) < n:
+        p = rng.getrandbits(16)
+        e = (p >> f.mantissa_bits) & top
+        if 0 < e < top and (p & ((1 << f.mantissa_bits) - 1)) != (1 << f.mantissa_bits) - 1:
+            out.append(p)  # not the last in its binade, so p + 1 ulp is finite too
+    return out
+
+
+def _ties(fmt: str, rng: random.Random) -> list[int]:
+    """fp32 numbers exactly halfway between two neighbours of fmt, and one fp32 ulp either side."""
+    f = formats.get_format(fmt)
+    half = 1 << (23 - f.mantissa_bits - 1)  # half a 16-bit ulp, in fp32 mantissa units
+    cases = []
+    for p in _finite_normal_patterns(fmt, 300, rng):
+        b = _fp32_of(p, fmt) + half
+        sign = rng.getrandbits(1) << 31
+        cases += [b | sign, (b + 1) | sign, (b - 1) | sign]
+    return cases
+
+
+def _check_exact(module) -> None:
+    for fmt in FORMATS:
+        values = [1.0, -2.0, 0.5, 3.0, -0.15625, 2.0**-14, 65504.0 if fmt == "fp16" else 2.0**100, 0.0]
+        _compare(module, [_bits32(v) for v in values], fmt, "exactly representable numbers")
+
+
+def _check_signed_zero(module) -> None:
+    for fmt in FORMATS:
+        got = module.round_fp32_bits(0x80000000, fmt)
+        expect(got == 0x8000, f"{fmt}: -0.0 -> 0x{got:04X}, expected 0x8000 (the sign bit alone)")
+
+
+def _check_random(module) -> None:
+    rng = random.Random()
+    for fmt in FORMATS:
+        f = formats.get_format(fmt)
+        cases = []
+        while len(cases) < 2000:  # random fp32 patterns whose value lies in fmt's normal range
+            b = rng.getrandbits(32)
+            x = abs(_f32(b))
+            if f.smallest_normal <= x < f.max_finite:
+                cases.append(b)
+        _compare(module, cases, fmt, "random fp32 numbers in the normal range")
+
+
+def _check_ties(module) -> None:
+    rng = random.Random()
+    for fmt in FORMATS:
+        _compare(module, _ties(fmt, rng), fmt, "halfway cases (and one fp32 ulp either side)")
+
+
+def _check_overflow(module) -> None:
+    fp16 = [65519.0, 65520.0, 65535.0, 1e5, -1e6, 3.0e38]
+    bf16 = [3.3e38, 3.39e38, -3.4e38, _f32(0x7F7FFFFF)]
+    _compare(module, [_bits32(v) for v in fp16], "fp16", "values at and past fp16's largest finite 65504")
+    _compare(module, [_bits32(v) for v in bf16], "bf16", "values near fp32's largest")
+
+
+def _check_subnormals(module) -> None:
+    rng = random.Random()
+    cases = [_bits32(v) for v in (2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-26, 2.0**-15, 1e-7, -6e-8)]
+    while len(cases) < 1000:
+        x = rng.uniform(2.0**-26, 2.0**-14) * rng.choice((1, -1))
+        cases.append(_bits32(x))
+    _compare(module, cases, "fp16", "numbers below fp16's smallest normal 2**-14")
+    _compare(module, [_bits32(v) for v in (1e-39, -1e-45, 2.0**-130)], "bf16", "fp32 subnormals")
+
+
+def _check_specials(module) -> None:
+    cases = [0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001]  # +inf, -inf, NaNs
+    for fmt in FORMATS:
+        _compare(module, cases, fmt, "infinities and NaNs")
+
+
+def checks() -> list[Check]:
+    return [
+        Check("exactly representable numbers are unchanged", "split the pattern into sign (1 bit), "
+              "exponent (8) and mantissa (23); re-bias the exponent (fp32 bias 127) and keep the top mantissa bits",
+              _check_exact),
+        Check("-0.0 keeps its sign", "the sign bit moves to bit 15 whatever the magnitude does", _check_signed_zero),
+        Check("round to nearest (random numbers)", "look at the dropped mantissa bits: more than half an ulp "
+              "rounds up, less rounds down (truncating is wrong half of the time)", _check_random),
+        Check("ties round to even", "exactly half an ulp dropped: round up only if the kept last bit is 1; "
+              "any nonzero bit below the halfway bit (a 'sticky' bit) means past halfway", _check_ties),
+        Check("overflow rounds to infinity", "after rounding, a carry may reach the next binade; past the "
+              "largest finite number the result is inf (exponent all ones, mantissa 0), not the largest number",
+              _check_overflow),
+        Check("fp16 subnormals and underflow to zero", "below 2**-14 fp16 keeps exponent field 0 and shifts "
+              "the significand (with its leading 1) right; round the shifted-out bits the same way, ties to even",
+              _check_subnormals),
+        Check("infinities and NaN", "exponent all ones: mantissa 0 is inf, keep it; otherwise a NaN, which must "
+              "stay a NaN (keep a mantissa bit set, even after the shift)", _check_specials),
+    ]

@@ -1,0 +1,206 @@
+"""The grader of the student edition (mpgpt/grade): it passes correct work and fails wrong work.
+
+For every component: the package's own implementation passes every behaviour; a learner-style
+solution (tests/grade_solutions/) passes too; the stub fails every behaviour; and each planted
+bug — one line of the solution replaced, the way a learner gets it wrong — fails the behaviour
+that is meant to catch it. The checks draw fresh random inputs on every run.
+"""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpgpt.grade import COMPONENTS, component
+from mpgpt.grade.__main__ import main
+from mpgpt.grade.core import grade, load_module
+from mpgpt.kernels import env
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTIONS = ROOT / "tests" / "grade_solutions"
+needs_triton = pytest.mark.skipif(env.TRITON_IMPORT_ERROR is not None, reason="Triton is not installed")
+
+# The package's own implementation behind each component's interface.
+OWN = {
+    "ch1-rounding": """
+        import struct
+        from mpgpt.formats import encode_nearest_even
+
+        def round_fp32_bits(bits, fmt):
+            return encode_nearest_even(struct.unpack("<f", struct.pack("<I", bits))[0], fmt)
+        """,
+    "ch5-scaler": "from mpgpt.scaling import DynamicLossScaler\n",
+    "ch6-matmul": """
+        from mpgpt.kernels import grouped, interpreting
+
+        def matmul(a, b, c):
+            grouped.launch(a, b, c, interpreted=interpreting())
+        """,
+    "lab-nans-hooks": "from mpgpt.labs.nonfinite import first_nonfinite_module\n",
+}
+SOLUTION = {"ch1-rounding": "ch1_rounding.py", "ch5-scaler": "ch5_scaler.py", "ch6-matmul": "ch6_matmul.py",
+            "lab-nans-hooks": "lab_nans_hooks.py"}
+
+# component -> bug -> (marker of the line replaced, its replacement, a behaviour that must fail)
+PLANTED = {
+    "ch1-rounding": {
+        "truncates": ("round", "if False:", "round to nearest (random numbers)"),
+        "ties away from zero": ("round", "if dropped >= half:", "ties round to even"),
+        "saturates instead of inf": ("overflow", "return sign | ((top << m_bits) - 1)", "overflow rounds to infinity"),
+        "flushes subnormals": ("subnormal", "e_new = e\nif e < 1 - bias:\n    return sign",
+                               "fp16 subnormals and underflow to zero"),
+        "drops the sign": ("sign", "sign = 0", "-0.0 keeps its sign"),
+        "NaN becomes inf": ("nan", "return sign | (top << m_bits)", "infinities and NaN"),
+    },
+    "ch5-scaler": {
+        "off-by-one growth interval": ("growth", "if self.tracker == self.growth_interval + 1:",
+                                       "the scale grows after growth_interval clean steps"),
+        "unscales twice": ("unscale_in_step", "if True:", "unscale_() then step() divides by S only once"),
+        "no guard on a second unscale_": ("twice_guard", "if False:", "a second unscale_() in one iteration raises"),
+        "misses NaN": ("check", "self.found_inf = any(bool(torch.isinf(g).any()) for g in grads)",
+                       "steps with inf or NaN gradients are skipped"),
+        "never skips": ("skip", "if False:", "steps with inf or NaN gradients are skipped"),
+        "overflow keeps the count": ("reset", "pass", "an overflow restarts the growth count"),
+        "state without the tracker": ("state", 'return {"scale": self.scale_value, '
+                                      '"growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,',
+                                      "state_dict() resumes the run exactly"),
+    },
+    "ch6-matmul": {
+        "missing K mask": ("mask_a", "a = tl.load(a_ptrs)", "K not a multiple of the block"),
+        "missing store mask": ("store", "tl.store(c_ptrs, acc)", "M and N not multiples of the block"),
+        "assumes contiguous inputs": ("strides", "matmul_kernel[grid](a, b, c, M, N, K, K, 1, N, 1,",
+                                      "transposed views of a, b and c"),
+        "fp16 accumulator": ("accumulator", "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float16)",
+                             "fp32 accumulation over a long K"),
+        "no upcast in the interpreter": ("upcast", "acc = tl.dot(a, b, acc)", "bf16 inputs"),
+        "skips the last K tile": ("loop", "for k in range(0, K // BLOCK_K):", "K not a multiple of the block"),
+    },
+    "lab-nans-hooks": {
+        "the last module, not the first": ("first", "if bad:\n    found.clear()", "the first module in the order of the pass"),
+        "isnan only": ("test", "bad = any(bool(torch.isnan(t).any()) for t in _tensors(output))",
+                       "names the module whose output overflows to inf"),
+        "top-level modules only": ("which", "handles = [m.register_forward_hook(hook) for m in model.children()]",
+                                   "finds the overflowing layer of the course GPT in fp16"),
+        "hooks left behind": ("remove", "for h in []:", "hooks are removed, also when run() raises"),
+        "tuples ignored": ("nested", "if False:", "tuple and dict outputs"),
+    },
+}
+
+
+def _grade_source(name: str, source: str, tmp_path: Path) -> dict[str, bool]:
+    path = tmp_path / f"{name.replace('-', '_')}_{abs(hash(source))}.py"
+    path.write_text(source, encoding="utf-8")
+    return {o.name: o.passed for o in grade(component(name).checks(), load_module(path))}
+
+
+def plant(source: str, marker: str, replacement: str) -> str:
+    """Replace the code of the line tagged `# PLANT: marker`, keeping its indentation."""
+    pattern = re.compile(rf"^(?P<indent>[ \t]*)\S.*# PLANT: {re.escape(marker)}$", re.MULTILINE)
+    match = pattern.search(source)
+    assert match, f"no line tagged PLANT: {marker}"
+    indent = match["indent"]
+    return source[: match.start()] + indent + replacement.replace("\n", "\n" + indent) + source[match.end():]
+
+
+def _marks(name):
+    return [needs_triton] if name == "ch6-matmul" else []
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in COMPONENTS])
+def test_the_package_own_implementation_passes(name, tmp_path):
+    import textwrap
+
+    results = _grade_source(name, textwrap.dedent(OWN[name]), tmp_path)
+    assert all(results.values()), [k for k, ok in results.items() if not ok]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in COMPONENTS])
+def test_a_learner_solution_passes_and_the_stub_fails(name, tmp_path):
+    results = _grade_source(name, (SOLUTIONS / SOLUTION[name]).read_text(encoding="utf-8"), tmp_path)
+    assert all(results.values()), [k for k, ok in results.items() if not ok]
+    stub = _grade_source(name, component(name).STUB, tmp_path)
+    failing = [k for k, ok in stub.items() if not ok]
+    # ch6's "Triton is importable" holds for a stub too: every other behaviour must fail
+    assert len(failing) >= len(stub) - 1 and len(stub) >= 6, stub
+
+
+@pytest.mark.parametrize("name, bug", [pytest.param(n, b, marks=_marks(n)) for n in PLANTED for b in PLANTED[n]])
+def test_a_planted_bug_fails_its_behaviour(name, bug, tmp_path):
+    marker, replacement, behaviour = PLANTED[name][bug]
+    source = plant((SOLUTIONS / SOLUTION[name]).read_text(encoding="utf-8"), marker, replacement)
+    results = _grade_source(name, source, tmp_path)
+    assert behaviour in results, f"no behaviour named {behaviour!r}: {list(results)}"
+    assert not results[behaviour], f"{bug!r} passed {behaviour!r}"
+
+
+def test_at_least_three_planted_bugs_per_component():
+    assert set(PLANTED) == set(COMPONENTS)
+    assert all(len(bugs) >= 3 for bugs in PLANTED.values())
+
+
+def _cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "mpgpt.grade", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_command_line_lists_writes_stubs_and_exits_by_the_result(tmp_path):
+    listed = _cli("--list", cwd=tmp_path)
+    assert listed.returncode == 0 and [line.split()[0] for line in listed.stdout.splitlines()] == list(COMPONENTS)
+    written = _cli("--stub", "ch5-scaler", "-o", "mine.py", cwd=tmp_path)
+    assert written.returncode == 0 and (tmp_path / "mine.py").read_text() == component("ch5-scaler").STUB
+    again = _cli("--stub", "ch5-scaler", "-o", "mine.py", cwd=tmp_path)  # never overwrites a learner's work
+    assert again.returncode == 2 and "exists already" in again.stderr
+    graded = _cli("ch5-scaler", "mine.py", cwd=tmp_path)
+    assert graded.returncode == 1
+    lines = graded.stdout.splitlines()
+    assert all(line.startswith("FAIL  ") and "Hint: " in line for line in lines[:-1]), lines
+    assert lines[-1] == f"ch5-scaler: 0 of {len(lines) - 1} behaviours pass"
+    (tmp_path / "own.py").write_text(OWN["ch5-scaler"])
+    good = _cli("ch5-scaler", "own.py", cwd=tmp_path)
+    assert good.returncode == 0 and good.stdout.splitlines()[-1].endswith("behaviours pass")
+    assert all(line.startswith("PASS  ") for line in good.stdout.splitlines()[:-1])
+
+
+@pytest.mark.parametrize("args, says", [
+    (["ch9-nothing", "x.py"], "unknown component"),
+    (["ch5-scaler", "missing.py"], "no such file"),
+    (["ch5-scaler"], "give a component and your file"),
+    (["--stub", "nope"], "unknown component"),
+])
+def test_usage_errors_are_one_line_with_exit_status_2(tmp_path, args, says, capsys):
+    import os
+
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert main(args) == 2
+    finally:
+        os.chdir(old)
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err
+
+
+def test_a_file_that_does_not_import_is_a_usage_error(tmp_path, capsys):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def round_fp32_bits(bits, fmt)\n    return 0\n")
+    assert main(["ch1-rounding", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert "SyntaxError" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_report_shows_no_reference_code(tmp_path, capsys):
+    """No line of the reference implementations appears in what a failing learner sees."""
+    references = [ROOT / "mpgpt" / p for p in ("formats.py", "scaling.py", "kernels/grouped.py", "labs/nonfinite.py")]
+    code_lines = {line.strip() for p in references for line in p.read_text(encoding="utf-8").splitlines()
+                  if len(line.strip()) > 25 and not line.strip().startswith(("#", '"""'))}
+    for name in ("ch1-rounding", "ch5-scaler", "lab-nans-hooks"):
+        bug = next(iter(PLANTED[name].values()))
+        source = plant((SOLUTIONS / SOLUTION[name]).read_text(encoding="utf-8"), bug[0], bug[1])
+        path = tmp_path / f"{name.replace('-', '_')}.py"
+        path.write_text(source)
+        assert main([name, str(path)]) == 1
+        out = capsys.readouterr().out
+        leaked = [line for line in code_lines if line in out]
+        assert not leaked, leaked
+
