@@ -97,7 +97,6 @@ def test_wheel_benchmark_writes_its_result_into_the_current_folder(fresh_python,
     assert "wrote" in stdout
 
 
-<<<<<<< HEAD
 def copy_chapters(tmp_path, names=None) -> Path:
     """The chapter notebooks alone, in an empty folder, as Colab gets them."""
     work = tmp_path / "chapters"
@@ -161,7 +160,8 @@ def test_chapters_run_without_triton(fresh_python, tmp_path):
     skipped = int(out.stdout.split("SKIPPED")[1].split()[0])
     assert skipped >= 10, out.stdout
     assert "RECORDED True" in out.stdout
-=======
+
+
 def test_wheel_grader_writes_a_stub_and_grades_it_from_an_empty_folder(fresh_python, tmp_path):
     # The student edition: no tests/ folder beside the wheel, so the checks must ship inside it.
     python, site = fresh_python
@@ -182,4 +182,3 @@ def test_wheel_grader_writes_a_stub_and_grades_it_from_an_empty_folder(fresh_pyt
     stub_status, own_status, fails, *last = stdout.split("\n")[-2].split(" ", 3)
     assert (stub_status, own_status) == ("1", "0") and int(fails) >= 6, stdout
     assert last[0].startswith("ch5-scaler:") and last[0].endswith("behaviours pass"), stdout
->>>>>>> labs
