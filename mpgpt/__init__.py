@@ -11,6 +11,7 @@ inside GPT.use_triton, since Triton is optional (tests/test_layering.py checks a
     scaling      loss scalers written from scratch, and make_scaler               chapters 4, 5
     checkpoint   atomic save and verified load                                    chapter 5
     fused_loss   output layer + cross-entropy in chunks, never the full logits    chapter 7
+    optim16      AdamW with weights and moments in 16 bits, stochastic rounding   chapter 10
     results      the benchmark result format; curated records shipped inside      chapters 6-8
     model        GPTConfig and GPT, the fp32 reference model; peak FLOP/s, MFU    chapters 2, 7
     kernels      Triton matmul kernels, plan(), TritonLinear                      chapter 6

@@ -39,6 +39,7 @@ forward pass runs at fp32 speed on exactly the bf16 weights.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -222,7 +223,7 @@ class Coefficients:
 
 
 def _f32(x: float) -> float:
-    return torch.tensor(x, dtype=torch.float32).item()
+    return struct.unpack("f", struct.pack("f", x))[0]  # round to the nearest fp32, ties to even
 
 
 def coefficients(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> Coefficients:

@@ -377,3 +377,29 @@ def test_fused_kernel_on_gpu(variant):
     differ = (a.view(torch.int16) != b.view(torch.int16))
     assert differ.float().mean() < 1e-3
     assert ((a.double() - b.double()).abs() <= 2.0**-7 * a.double().abs() + 1e-30).all()
+
+
+# --- the benchmark's CPU-side logic ------------------------------------------------------------
+def test_benchmark_counts_gpt2_small_and_its_bytes():
+    from mpgpt.bench import optim16 as bench
+    from mpgpt.model import GPT, GPTConfig
+
+    shapes = bench.gpt2_shapes("tiny")
+    model = GPT(GPTConfig.preset("tiny"))
+    assert shapes == [tuple(p.shape) for p in model.parameters()]
+    n = sum(math.prod(s) for s in bench.gpt2_shapes())
+    assert 124_000_000 < n < 125_000_000           # GPT-2 small, tied embedding counted once
+    assert bench.bytes_moved("fp32-master") == 2 * (2 + 4 + 4 + 4) + 2   # 30: more than torch fp32's 28
+    assert bench.bytes_moved("all-bf16-sr") == 2 * (2 + 2 + 2) + 2       # 14: torch bf16's traffic
+    assert bench.TORCH_BYTES["torch-fused-fp32"] == 28
+
+
+def test_benchmark_without_a_gpu_says_so(capsys):
+    from mpgpt.bench.__main__ import main
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the benchmark runs")
+    assert main(["optim16"]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert main(["optim16", "--variants", "bf8"]) == 2
+    assert "unknown variant 'bf8'" in capsys.readouterr().err

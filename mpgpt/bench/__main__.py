@@ -2,6 +2,7 @@
 import sys
 
 COMMANDS = {"train": "mpgpt.bench.training", "kernels": "mpgpt.bench.kernels", "ddp": "mpgpt.bench.ddp"}
+COMMANDS["optim16"] = "mpgpt.bench.optim16"  # chapter 10: one AdamW step, 16-bit variants vs torch fused
 
 
 def main(argv=None) -> int:
