@@ -330,23 +330,33 @@ class AdamW16(torch.optim.Optimizer):
         step_seed(seed, 0)  # checks the seed
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.variant, self.seed, self.steps = variant, seed, 0
-        offset = 0
+        # One flat state per parameter group; self.state[p] holds views of it, so the update can
+        # run once over the whole group (or per parameter, with the same result).
+        self.flat, self.group_offsets, offset = [], [], 0
         for group in self.param_groups:
-            for p in group["params"]:
+            params = group["params"]
+            for p in params:
                 if p.dtype not in (torch.bfloat16, torch.float32):
                     raise TypeError(f"AdamW16 stores bf16 weights; got a {p.dtype} parameter: cast the model "
                                     "with model.to(torch.bfloat16) (or keep it float32 to emulate bf16 storage)")
-                original = p.detach().reshape(-1).float().clone()
-                self.state[p] = new_state(p, variant)       # an fp32 master copies the original
-                exact = VARIANTS[variant].weights in ("fp32-master", "mantissa")
-                hi, lo = split_mantissa(bits_of(original))
-                if VARIANTS[variant].weights == "mantissa":
-                    self.state[p]["mantissa"].copy_(lo)
+            original = torch.cat([p.detach().reshape(-1).float() for p in params])   # (n,) fp32
+            flat = new_state(original, variant)          # an fp32 master copies the original values
+            hi, lo = split_mantissa(bits_of(original))
+            if VARIANTS[variant].weights == "mantissa":
+                flat["mantissa"].copy_(lo)
+            exact = VARIANTS[variant].weights in ("fp32-master", "mantissa")
+            start = 0
+            for p in params:
+                n = p.numel()
                 if p.dtype == torch.float32:  # hold bf16 values from now on
-                    with torch.no_grad():
-                        store_bits(p.detach().reshape(-1), hi if exact else round_nearest_bits(bits_of(original)))
-                self.state[p]["offset"] = offset
-                offset += p.numel()
+                    bits = hi[start:start + n] if exact else round_nearest_bits(bits_of(original[start:start + n]))
+                    store_bits(p.detach().reshape(-1), bits)
+                self.state[p] = {name: t[start:start + n] for name, t in flat.items()}
+                self.state[p]["offset"] = offset + start
+                start += n
+            self.flat.append(flat)
+            self.group_offsets.append(offset)
+            offset += start
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -356,13 +366,22 @@ class AdamW16(torch.optim.Optimizer):
                 loss = closure()
         self.steps += 1
         key = step_seed(self.seed, self.steps)
-        for group in self.param_groups:
+        for group, flat, offset in zip(self.param_groups, self.flat, self.group_offsets):
             b1, b2 = group["betas"]
             c = coefficients(group["lr"], b1, b2, group["eps"], group["weight_decay"], self.steps)
-            for p in group["params"]:
-                if p.grad is not None:
-                    state = self.state[p]
-                    adamw16_update(p, p.grad, state, self.variant, c, key, state["offset"])
+            params = group["params"]
+            if all(p.grad is not None for p in params) and len({p.dtype for p in params}) == 1:
+                # the whole group at once: fewer, larger operations (what the fused kernel does)
+                w = torch.cat([p.detach().reshape(-1) for p in params])
+                g = torch.cat([p.grad.reshape(-1).float() for p in params])
+                adamw16_update(w, g, flat, self.variant, c, key, offset)
+                for p, chunk in zip(params, w.split([p.numel() for p in params])):
+                    p.detach().copy_(chunk.view_as(p))
+            else:
+                for p in params:
+                    if p.grad is not None:
+                        state = self.state[p]
+                        adamw16_update(p, p.grad, state, self.variant, c, key, state["offset"])
         return loss
 
     def fp32_weight(self, p: torch.Tensor) -> torch.Tensor:

@@ -403,3 +403,25 @@ def test_benchmark_without_a_gpu_says_so(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().out
     assert main(["optim16", "--variants", "bf8"]) == 2
     assert "unknown variant 'bf8'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("variant", ["all-bf16-sr", "bf16-kahan"])
+def test_the_optimizer_over_a_flat_group_equals_per_parameter_updates(variant):
+    """AdamW16 updates a whole group as one flat tensor; the random bits follow the flat index,
+    so updating each parameter at its offset gives the same bits."""
+    shapes = [(7, 5), (13,), (3, 4, 2)]
+    params = [torch.nn.Parameter(torch.randn(s).to(torch.bfloat16)) for s in shapes]
+    copies = [p.detach().clone() for p in params]
+    opt = AdamW16(params, lr=1e-2, variant=variant, seed=9)
+    states = [new_state(c, variant) for c in copies]
+    offsets = [0, 35, 48]
+    for t in range(1, 4):
+        grads = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        c = coefficients(1e-2, 0.9, 0.999, 1e-8, 0.01, t)
+        for w, g, st, off in zip(copies, grads, states, offsets):
+            adamw16_update(w, g, st, variant, c, step_seed(9, t), off)
+    for p, w in zip(params, copies):
+        assert torch.equal(p.detach().view(torch.int16), w.view(torch.int16))
