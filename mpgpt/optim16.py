@@ -166,12 +166,10 @@ _PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 
 
 def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # a * b for 32-bit a, b without overflowing int64: split b into 16-bit halves.
-    b_hi, b_lo = b >> 16, b & 0xFFFF
-    p_lo, p_hi = a * b_lo, a * b_hi                # each < 2^48
-    hi = (p_hi + (p_lo >> 16)) >> 16
-    lo = ((p_hi << 16) + p_lo) & _MASK32
-    return hi, lo
+    # The 64-bit product of 32-bit a and b, split into its halves. It may exceed int64's range:
+    # the multiply then wraps modulo 2^64 (two's complement), which keeps all 64 bits intact.
+    p = b * a
+    return (p >> 32) & _MASK32, p & _MASK32
 
 
 def philox4x32(counter, key: tuple[int, int], rounds: int = 10):
