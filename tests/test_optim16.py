@@ -424,3 +424,14 @@ def test_the_optimizer_over_a_flat_group_equals_per_parameter_updates(variant):
             adamw16_update(w, g, st, variant, c, step_seed(9, t), off)
     for p, w in zip(params, copies):
         assert torch.equal(p.detach().view(torch.int16), w.view(torch.int16))
+
+
+def test_benchmark_refuses_a_gpu_below_sm80(monkeypatch, capsys):
+    from mpgpt import runtime
+    from mpgpt.bench import optim16 as bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime, "capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(runtime, "device_name", lambda device=None: "Tesla T4")
+    assert bench.main([]) == 1
+    assert "Tesla T4 is sm_75" in capsys.readouterr().out

@@ -25,6 +25,7 @@ import sys
 
 import torch
 
+from mpgpt import runtime
 from mpgpt.kernels.adamw16 import adamw16_fused
 from mpgpt.model import GPT, GPTConfig
 from mpgpt.optim16 import VARIANTS, bytes_per_param, coefficients, new_state, step_seed
@@ -126,10 +127,15 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("The optimizer benchmark needs a CUDA GPU; on a CPU, chapter 10 shows the recorded result if there is one.")
         return 1
+    cap = runtime.capability("cuda")
+    if cap < (8, 0):
+        print(f"{runtime.device_name('cuda')} is sm_{cap[0]}{cap[1]}: the bf16 Triton kernel needs compute capability "
+              ">= 8.0 (A100, L4, H100); chapter 10 shows the recorded result if there is one.")
+        return 1
     command = shlex.join(["python", "-m", "mpgpt.bench", "optim16", *argv])
     shapes = gpt2_shapes(args.preset)
     n = sum(torch.Size(s).numel() for s in shapes)
-    print(f"{torch.cuda.get_device_name(0)} | torch {torch.__version__} | {n:,} parameters in {len(shapes)} tensors",
+    print(f"{runtime.device_name('cuda')} | torch {torch.__version__} | {n:,} parameters in {len(shapes)} tensors",
           flush=True)
     rows = bench_optimizers(variants, args.preset)
     path = write_result("optim16", {"preset": args.preset, "parameters": n, "tensors": len(shapes), "rows": rows},
