@@ -435,3 +435,24 @@ def test_benchmark_refuses_a_gpu_below_sm80(monkeypatch, capsys):
     monkeypatch.setattr(runtime, "device_name", lambda device=None: "Tesla T4")
     assert bench.main([]) == 1
     assert "Tesla T4 is sm_75" in capsys.readouterr().out
+
+
+def test_without_triton_the_kernel_says_why_and_the_rest_works():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
+            "import torch\n"
+            "from mpgpt.optim16 import AdamW16, coefficients, new_state\n"
+            "from mpgpt.kernels.adamw16 import adamw16_fused\n"
+            "p = torch.nn.Parameter(torch.randn(8)); opt = AdamW16([p], variant='bf16-sr')\n"
+            "p.grad = torch.randn(8); opt.step()\n"
+            "w = torch.randn(8).bfloat16()\n"
+            "try:\n"
+            "    adamw16_fused(w, w, new_state(w, 'bf16'), 'bf16', coefficients(1e-3, .9, .999, 1e-8, 0, 1))\n"
+            "except RuntimeError as e:\n"
+            "    assert 'Linux only' in str(e), e\n"
+            "else:\n"
+            "    raise SystemExit('no error')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
