@@ -26,7 +26,7 @@ import torch
 from mpgpt.optim16 import VARIANTS, Coefficients
 
 from . import env as kenv
-from .env import check_device, tl, triton
+from .env import tl, triton
 
 __all__ = ["adamw16_fused", "WEIGHT_CODES", "MOMENT_CODES"]
 
@@ -147,7 +147,7 @@ def adamw16_fused(w: torch.Tensor, g: torch.Tensor, state: dict, variant: str, c
                          "flatten the model's parameters into one buffer (or use mpgpt.optim16.AdamW16)")
     if g.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"gradients must be bf16 or fp32, got {g.dtype}")
-    check_device(w)
+    kenv.check_device(w)
     v = VARIANTS[variant]
     n = w.numel()
     extra = state.get(v.extra_buffer) if v.extra_buffer else state["exp_avg"]  # unused when no buffer
