@@ -20,6 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mpgpt"
 LAYERS = {
     "runtime": 0,
     "formats": 1, "data": 1, "precision": 1, "checkpoint": 1, "fused_loss": 1, "scaling": 1, "results": 1,
+    "optim16": 1,
     "model": 2, "fp8": 2,
     "kernels": 3,
     "trainer": 4,

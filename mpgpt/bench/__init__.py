@@ -4,6 +4,7 @@
     python -m mpgpt.bench kernels   # Triton matmul against cuBLAS, compute capability >= 8.0 (kernels.py)
     python -m mpgpt.bench ddp       # 1 vs N GPUs, DDP and FSDP2 (ddp.py)
     python -m mpgpt.bench fp8       # fp8 GEMMs, Fp8Linear against bf16, accumulation; sm_89+ (fp8.py)
+    python -m mpgpt.bench optim16   # one AdamW step at GPT-2 small: 16-bit variants vs torch fused (optim16.py)
 
 Every result records the GPU, driver, CUDA, torch and triton versions, the date, the command and the
 code commit, and goes to ``--out-dir`` (default: the current folder), never into the package. The

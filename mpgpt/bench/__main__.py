@@ -3,6 +3,7 @@ import sys
 
 COMMANDS = {"train": "mpgpt.bench.training", "kernels": "mpgpt.bench.kernels", "ddp": "mpgpt.bench.ddp"}
 COMMANDS["fp8"] = "mpgpt.bench.fp8"  # chapter 9: fp8 GEMMs, the crossover map, accumulation
+COMMANDS["optim16"] = "mpgpt.bench.optim16"  # chapter 10: one AdamW step, 16-bit variants vs torch fused
 
 
 def main(argv=None) -> int:

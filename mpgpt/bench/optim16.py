@@ -1,0 +1,148 @@
+"""One optimizer step at GPT-2 small's size: the fused 16-bit AdamW against torch's fused AdamW (chapter 10).
+
+    python -m mpgpt.bench optim16
+    python -m mpgpt.bench optim16 --variants bf16-sr,bf16-mantissa --out-dir results
+
+An optimizer step does almost no arithmetic per byte, so its time is the bytes it moves divided
+by the memory bandwidth. Every configuration updates GPT-2 small's parameter count (the shapes of
+``GPTConfig.preset("gpt2")``, tied embedding counted once) with random gradients (never zeros):
+
+* torch's fused AdamW (``torch.optim.AdamW(fused=True)``) over the model's list of fp32
+  parameters with fp32 gradients: the usual fp32 master weights step (28 bytes moved/parameter);
+* the same over bf16 parameters and gradients (pure bf16, round to nearest; 14 bytes);
+* `mpgpt.kernels.adamw16.adamw16_fused`, one launch over one flat buffer, for each variant of
+  `mpgpt.optim16` (bytes: `bytes_moved`).
+
+Each time is the median of ``triton.testing.do_bench`` (CUDA events). Prints a table and writes
+optim16_<gpu>_<date>.json into --out-dir (default: the current folder) with the GPU, driver,
+CUDA, torch and triton versions, the date, the command and the commit (mpgpt.results).
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+import torch
+
+from mpgpt import runtime
+from mpgpt.kernels.adamw16 import adamw16_fused
+from mpgpt.model import GPT, GPTConfig
+from mpgpt.optim16 import VARIANTS, bytes_per_param, coefficients, new_state, step_seed
+from mpgpt.results import check_tag, write_result
+
+__all__ = ["gpt2_shapes", "bytes_moved", "bench_optimizers", "main"]
+
+
+def gpt2_shapes(preset: str = "gpt2") -> list[tuple[int, ...]]:
+    """The parameter shapes of the preset's GPT (built on the meta device: no memory used)."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig.preset(preset))
+    return [tuple(p.shape) for p in model.parameters()]
+
+
+def bytes_moved(variant: str) -> int:
+    """Bytes one step reads and writes per parameter: weights, moments and the extra buffer are
+    read and written, the gradient only read."""
+    b = bytes_per_param(variant)
+    return 2 * (b["weights"] + b["exp_avg"] + b["exp_avg_sq"] + b["extra"]) + b["grads"]
+
+
+# torch's fused AdamW: fp32 params (4) + exp_avg (4) + exp_avg_sq (4) read and written, fp32 grad read
+TORCH_BYTES = {"torch-fused-fp32": 2 * 12 + 4, "torch-fused-bf16": 2 * 6 + 2}
+
+
+def _median_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    fn()  # compiles
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def _torch_case(shapes, dtype) -> float:
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=dtype) * 0.02) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+    ms = _median_ms(opt.step)
+    del opt, params
+    torch.cuda.empty_cache()
+    return ms
+
+
+def _fused_case(n, variant) -> float:
+    w = (torch.randn(n, device="cuda") * 0.02).to(torch.bfloat16)
+    g = (torch.randn(n, device="cuda") * 1e-3).to(torch.bfloat16)
+    state = new_state(w, variant)
+    steps = [0]
+
+    def step():  # the host part of a real step too: the step's scalars and Philox key
+        steps[0] += 1
+        c = coefficients(1e-4, 0.9, 0.999, 1e-8, 0.1, steps[0])
+        adamw16_fused(w, g, state, variant, c, step_seed(0, steps[0]))
+
+    ms = _median_ms(step)
+    del w, g, state
+    torch.cuda.empty_cache()
+    return ms
+
+
+def bench_optimizers(variants, preset="gpt2") -> list[dict]:
+    shapes = gpt2_shapes(preset)
+    n = sum(torch.Size(s).numel() for s in shapes)
+    rows = []
+
+    def add(name, ms, per_param):
+        row = {"name": name, "ms": round(ms, 4), "bytes_per_param_moved": per_param,
+               "gb_per_s": round(per_param * n / ms / 1e6, 1)}
+        rows.append(row)
+        ratio = f" {ms / rows[0]['ms']:.2f}x torch fp32" if rows[0] is not row else ""
+        print(f"{name:>20}: {ms * 1e3:8.0f} us  {per_param:3d} B/param  {row['gb_per_s']:7.1f} GB/s{ratio}", flush=True)
+
+    add("torch-fused-fp32", _torch_case(shapes, torch.float32), TORCH_BYTES["torch-fused-fp32"])
+    add("torch-fused-bf16", _torch_case(shapes, torch.bfloat16), TORCH_BYTES["torch-fused-bf16"])
+    for variant in variants:
+        add(variant, _fused_case(n, variant), bytes_moved(variant))
+    base = rows[0]["ms"]
+    for row in rows:
+        row["vs_torch_fused_fp32"] = round(row["ms"] / base, 3)
+    return rows
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m mpgpt.bench optim16", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from: {', '.join(VARIANTS)}")
+    parser.add_argument("--preset", default="gpt2", help="model size whose parameter count is updated (default gpt2)")
+    parser.add_argument("--out-dir", default=".", help="where the JSON result goes (default: the current folder)")
+    parser.add_argument("--tag", default=None, type=check_tag, help="appended to the file name")
+    args = parser.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        print(f"python -m mpgpt.bench optim16: error: unknown variant {unknown[0]!r}; choose from "
+              f"{', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("The optimizer benchmark needs a CUDA GPU; on a CPU, chapter 10 shows the recorded result if there is one.")
+        return 1
+    cap = runtime.capability("cuda")
+    if cap < (8, 0):
+        print(f"{runtime.device_name('cuda')} is sm_{cap[0]}{cap[1]}: the bf16 Triton kernel needs compute capability "
+              ">= 8.0 (A100, L4, H100); chapter 10 shows the recorded result if there is one.")
+        return 1
+    command = shlex.join(["python", "-m", "mpgpt.bench", "optim16", *argv])
+    shapes = gpt2_shapes(args.preset)
+    n = sum(torch.Size(s).numel() for s in shapes)
+    print(f"{runtime.device_name('cuda')} | torch {torch.__version__} | {n:,} parameters in {len(shapes)} tensors",
+          flush=True)
+    rows = bench_optimizers(variants, args.preset)
+    path = write_result("optim16", {"preset": args.preset, "parameters": n, "tensors": len(shapes), "rows": rows},
+                        args.out_dir, tag=args.tag, command=command)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""AdamW with 16-bit weights and state in one fused Triton pass (chapter 10).
+
+    from mpgpt.kernels.adamw16 import adamw16_fused
+    adamw16_fused(w, g, state, "bf16-sr", c, key64)   # w, g flat; state from mpgpt.optim16.new_state
+
+One program reads a block of weights, gradients, both moments and the variant's extra buffer,
+does the whole AdamW update in fp32 registers, rounds the results into their storage and writes
+them back: every byte of state crosses memory once per step, which is all an optimizer step
+costs (it does almost no arithmetic per byte). The CPU reference is
+`mpgpt.optim16.adamw16_update`; this kernel follows its order of operations and its integer
+rounding, and uses the correctly rounded sqrt_rn and div_rn, so the two agree bit for bit
+(tests/test_optim16.py). On a GPU that needs one more thing: by default Triton fuses a multiply
+and an add into one FMA, which rounds once instead of twice, so the kernel is launched with
+``enable_fp_fusion=False``. It costs nothing measurable: the step waits on memory, not arithmetic.
+
+bf16 tensors are passed as their int16 bit patterns and converted with integer shifts, because
+the interpreter mishandles bf16 arithmetic (it stores bf16 as raw uint16); on a GPU the shifts
+cost nothing next to the memory traffic. Random bits come from ``tl.randint4x`` (Philox4x32-10)
+with the element's flat index as the counter and the step's key, the numbers
+`mpgpt.optim16.random_bits` computes on the CPU.
+"""
+from __future__ import annotations
+
+import torch
+
+from mpgpt.optim16 import VARIANTS, Coefficients
+
+from . import env as kenv
+from .env import tl, triton
+
+__all__ = ["adamw16_fused", "WEIGHT_CODES", "MOMENT_CODES"]
+
+WEIGHT_CODES = {"fp32-master": 0, "nearest": 1, "stochastic": 2, "kahan": 3, "mantissa": 4}
+MOMENT_CODES = {"fp32": 0, "nearest": 1, "stochastic": 2}
+
+
+@triton.jit
+def _bf16_to_f32(bits16):
+    # int16 bit pattern -> the fp32 value of that bf16 number (exact)
+    return (bits16.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_nearest(x):
+    # fp32 -> bf16 bits (in an int32), to nearest, ties to even; NaN -> quiet NaN
+    u = x.to(tl.int32, bitcast=True)
+    hi = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, hi)
+
+
+@triton.jit
+def _round_stochastic(x, r16):
+    # fp32 -> bf16 bits, rounded up in magnitude with probability (cut-off bits) / 2^16
+    u = x.to(tl.int32, bitcast=True)
+    return tl.where(x != x, 0x7FC0, (u + r16) >> 16)
+
+
+@triton.jit
+def _adamw16_kernel(
+    w_ptr,          # (n,) int16: the bf16 weights' bits, updated in place
+    g_ptr,          # (n,) gradients: int16 bits of bf16 if GRAD_BF16, else fp32
+    m_ptr, v_ptr,   # (n,) moments: fp32, or int16 bits of bf16 if MOMENTS > 0
+    x_ptr,          # (n,) extra buffer: fp32 master / int16 compensation bits / int16 remainder
+    n, offset, key,  # element count, flat index of element 0 (Philox counter), the step's Philox key
+    beta1, omb1, beta2, omb2, step_size, inv_sqrt_bc2, eps, lr_wd,  # fp32 scalars (Coefficients)
+    WEIGHTS: tl.constexpr, MOMENTS: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    if GRAD_BF16:
+        g = _bf16_to_f32(tl.load(g_ptr + idx, mask=mask, other=0))
+    else:
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    w_bits = tl.load(w_ptr + idx, mask=mask, other=0)
+    if WEIGHTS == 2 or MOMENTS == 2:
+        r_w, r_m, r_v, _ = tl.randint4x(key, offset + idx)
+        r_w = (r_w & 0xFFFF).to(tl.int32)
+        r_m = (r_m & 0xFFFF).to(tl.int32)
+        r_v = (r_v & 0xFFFF).to(tl.int32)
+
+    # 1. the moments
+    if MOMENTS == 0:
+        m_old = tl.load(m_ptr + idx, mask=mask, other=0.0)
+        v_old = tl.load(v_ptr + idx, mask=mask, other=0.0)
+    else:
+        m_old = _bf16_to_f32(tl.load(m_ptr + idx, mask=mask, other=0))
+        v_old = _bf16_to_f32(tl.load(v_ptr + idx, mask=mask, other=0))
+    m = m_old * beta1 + g * omb1
+    s = v_old * beta2 + (g * g) * omb2
+    if MOMENTS == 0:
+        tl.store(m_ptr + idx, m, mask=mask)
+        tl.store(v_ptr + idx, s, mask=mask)
+    elif MOMENTS == 1:
+        tl.store(m_ptr + idx, _round_nearest(m).to(tl.int16), mask=mask)
+        tl.store(v_ptr + idx, _round_nearest(s).to(tl.int16), mask=mask)
+    else:
+        tl.store(m_ptr + idx, _round_stochastic(m, r_m).to(tl.int16), mask=mask)
+        tl.store(v_ptr + idx, _round_stochastic(s, r_v).to(tl.int16), mask=mask)
+
+    # 2. the weight's fp32 value and the update
+    if WEIGHTS == 0:
+        w = tl.load(x_ptr + idx, mask=mask, other=0.0)
+    elif WEIGHTS == 4:
+        lo = tl.load(x_ptr + idx, mask=mask, other=0).to(tl.int32)
+        w = ((w_bits.to(tl.int32) << 16) + lo).to(tl.float32, bitcast=True)
+    else:
+        w = _bf16_to_f32(w_bits)
+    denom = tl.sqrt_rn(s) * inv_sqrt_bc2 + eps
+    delta = -(w * lr_wd + tl.div_rn(m, denom) * step_size)
+
+    # 3. into storage
+    if WEIGHTS == 3:
+        y = delta + _bf16_to_f32(tl.load(x_ptr + idx, mask=mask, other=0))
+        new16 = _round_nearest(w + y)
+        comp = y - (_bf16_to_f32(new16) - w)
+        tl.store(x_ptr + idx, _round_nearest(comp).to(tl.int16), mask=mask)
+    else:
+        x = w + delta
+        if WEIGHTS == 0 or WEIGHTS == 4:
+            u = x.to(tl.int32, bitcast=True)
+            new16 = (u + 0x8000) >> 16          # nearest, ties away from zero
+            if WEIGHTS == 0:
+                tl.store(x_ptr + idx, x, mask=mask)
+            else:
+                tl.store(x_ptr + idx, (u - (new16 << 16)).to(tl.int16), mask=mask)
+        elif WEIGHTS == 1:
+            new16 = _round_nearest(x)
+        else:
+            new16 = _round_stochastic(x, r_w)
+    tl.store(w_ptr + idx, new16.to(tl.int16), mask=mask)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def adamw16_fused(w: torch.Tensor, g: torch.Tensor, state: dict, variant: str, c: Coefficients,
+                  key64: int = 0, offset: int = 0, block: int = 1024) -> None:
+    """One AdamW step over flat, contiguous ``w`` (bf16, updated in place) with gradients ``g``
+    (bf16 or fp32) and ``state`` (`mpgpt.optim16.new_state`), stored as ``variant`` says.
+    The same arguments as `mpgpt.optim16.adamw16_update`, which it matches."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
+    if w.dtype != torch.bfloat16 or not w.is_contiguous() or not g.is_contiguous() or g.numel() != w.numel():
+        raise ValueError("adamw16_fused needs contiguous bf16 weights and gradients of the same size; "
+                         "flatten the model's parameters into one buffer (or use mpgpt.optim16.AdamW16)")
+    if g.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"gradients must be bf16 or fp32, got {g.dtype}")
+    kenv.check_device(w)
+    v = VARIANTS[variant]
+    n = w.numel()
+    extra = state.get(v.extra_buffer) if v.extra_buffer else state["exp_avg"]  # unused when no buffer
+    grid = (triton.cdiv(n, block),)
+    _adamw16_kernel[grid](
+        _bits(w), _bits(g), _bits(state["exp_avg"]), _bits(state["exp_avg_sq"]), _bits(extra),
+        n, offset, key64,
+        c.beta1, c.one_minus_beta1, c.beta2, c.one_minus_beta2, c.step_size, c.inv_sqrt_bc2, c.eps, c.lr_wd,
+        WEIGHTS=WEIGHT_CODES[v.weights], MOMENTS=MOMENT_CODES[v.moments], GRAD_BF16=g.dtype == torch.bfloat16,
+        BLOCK=block, **({} if kenv.interpreting() else {"enable_fp_fusion": False}),
+    )

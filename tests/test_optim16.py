@@ -1,0 +1,458 @@
+"""mpgpt.optim16 (one AdamW, 16-bit storage variants) and its fused kernel, mpgpt.kernels.adamw16.
+
+Inputs are fresh random numbers on every run (conftest seeds from the OS). Bounds are derived in
+the comments; the two statistical tests state their false-failure rate.
+
+Notation: u = 2^-24 (fp32's unit roundoff). A bf16 number t keeps 8 significant bits, so its
+spacing (ulp) is at most 2^-7 |t|: rounding to nearest moves it by at most 2^-8 |t|, stochastic
+rounding by less than 2^-7 |t|.
+"""
+import math
+
+import pytest
+import torch
+
+from mpgpt import optim16
+from mpgpt.kernels import env as kenv
+from mpgpt.optim16 import (VARIANTS, AdamW16, adamw16_update, bits_of, bytes_per_param, coefficients, float_of,
+                           join_mantissa, load_bits, new_state, philox4x32, random_bits, round_nearest_bits,
+                           round_stochastic_bits, split_mantissa, step_seed)
+
+U = 2.0**-24
+LR, B1, B2, EPS, WD = 1e-3, 0.9, 0.999, 1e-8, 0.1
+
+
+def wide_floats(n):
+    """fp32 values over many binades, both signs, plus zeros and infinities."""
+    x = torch.randn(n) * torch.exp2(torch.randint(-40, 40, (n,)).float())
+    return torch.cat([x, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.3e38, -3.3e38, 1e-40, -1e-41])])
+
+
+# --- bits --------------------------------------------------------------------------------------
+def test_round_to_nearest_is_torchs_cast():
+    x = wide_floats(100_000)
+    assert torch.equal(round_nearest_bits(bits_of(x)), load_bits(x.to(torch.bfloat16)))
+    nan = round_nearest_bits(bits_of(torch.tensor([float("nan")])))
+    assert torch.isnan(float_of(nan << 16)).all()
+
+
+def test_the_mantissa_split_is_exact_and_fits_16_bits():
+    x = wide_floats(100_000)
+    hi, lo = split_mantissa(bits_of(x))
+    assert torch.equal(join_mantissa(hi, lo), bits_of(x))
+    assert lo.min() >= -(2**15) and lo.max() < 2**15
+    # hi is x rounded to nearest: within half a bf16 ulp, i.e. at most 2^-8 |x| (normal x;
+    # subnormals have fewer significant bits)
+    finite = torch.isfinite(x) & (x.abs() < 3e38) & (x.abs() >= 2.0**-126)
+    err = (float_of(hi << 16) - x)[finite].double().abs()
+    assert (err <= 2.0**-8 * x[finite].double().abs()).all()
+
+
+def test_philox_matches_the_published_known_answers():
+    # Random123's known-answer tests for Philox4x32-10 (kat_vectors): counter, key -> output.
+    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for counter, key, expected in cases:
+        out = philox4x32([torch.tensor([c]) for c in counter], key)
+        assert tuple(int(o) for o in out) == expected
+
+
+def test_random_bits_are_a_function_of_seed_step_and_index():
+    key = step_seed(3, 17)
+    a = random_bits(key, 100, 50)
+    b = random_bits(key, 120, 30)                 # elements 120..149: the tail of a
+    assert all(torch.equal(x[20:], y) for x, y in zip(a, b))
+    c = random_bits(step_seed(3, 18), 100, 50)   # next step: other bits
+    assert not torch.equal(a[0], c[0])
+    assert all(((r >= 0) & (r < 2**16)).all() for r in a)
+
+
+def test_stochastic_rounding_is_unbiased():
+    """z-test on the total rounding error, at 6 sigma: false-failure rate 2*Phi(-6) = 2.0e-9.
+
+    Each value x has a cut-off fraction p of its bf16 ulp; one stochastic rounding moves its
+    magnitude by (1 - p) ulp with probability p and by -p ulp otherwise: mean 0, variance
+    p (1 - p). Over K values and R independent draws the sum of errors (in ulps) has variance
+    sum R p (1 - p), and with K R = 2^17 bounded terms the normal approximation is excellent.
+    The fractions are drawn in (0.05, 0.45), so round-to-nearest would always round down: the
+    same statistic on it must be far beyond 6 sigma (the test can fail)."""
+    K, R = 4096, 32
+    mags = torch.rand(K) * 8 + 0.01
+    u = bits_of(mags) & ~0xFFFF
+    frac = (torch.rand(K) * 0.4 + 0.05)
+    u = u | (frac * 65536).long()                 # the cut-off 16 bits
+    p = (u & 0xFFFF).double() / 65536
+    sign = torch.where(torch.rand(K) < 0.5, 2**31, 0)
+    u = u | sign                                   # both signs
+    x = float_of(u).double()
+    ulp = float_of(((u >> 16) + 1) << 16).double().abs() - float_of((u >> 16) << 16).double().abs()
+    err = torch.zeros(K, dtype=torch.float64)
+    for draw in range(R):
+        r16 = random_bits(step_seed(draw + 1, int(torch.randint(0, 2**31, ()))), 0, K)[0]
+        rounded = float_of(round_stochastic_bits(u, r16) << 16).double()
+        moved = (rounded.abs() - x.abs()) / ulp    # in ulps, in magnitude: 1 - p or -p
+        assert torch.allclose(torch.minimum((moved - (1 - p)).abs(), (moved + p).abs()),
+                              torch.zeros(K, dtype=torch.float64), atol=1e-9)
+        err += moved
+    z = err.sum() / math.sqrt(R * (p * (1 - p)).sum())
+    assert abs(z) < 6, f"stochastic rounding looks biased: z = {z:.2f}"
+    nearest = (float_of(round_nearest_bits(u) << 16).double().abs() - x.abs()) / ulp
+    assert abs(R * nearest.sum() / math.sqrt(R * (p * (1 - p)).sum())) > 100
+
+
+# --- the update against float64 ------------------------------------------------------------------
+def adamw64(x, m, v, g, step):
+    """AdamW in float64 (torch.optim.AdamW's formula)."""
+    m = B1 * m + (1 - B1) * g
+    v = B2 * v + (1 - B2) * g * g
+    denom = (v / (1 - B2**step)).sqrt() + EPS
+    x = x - LR * WD * x - LR / (1 - B1**step) * m / denom
+    return x, m, v
+
+
+def drifting_grads(n, steps):
+    """Gradients with a steady sign per element and noise: the weights drift by about lr a step."""
+    direction = torch.where(torch.rand(n) < 0.5, -1.0, 1.0)
+    scale = torch.exp2(torch.randint(-12, -4, (n,)).float())
+    return [(direction + 0.5 * torch.randn(n)) * scale for _ in range(steps)]
+
+
+def run_variant(variant, w0, grads):
+    w = w0.clone()
+    state = new_state(w, variant)
+    for t, g in enumerate(grads, start=1):
+        adamw16_update(w, g, state, variant, coefficients(LR, B1, B2, EPS, WD, t), step_seed(5, t))
+    return w, state
+
+
+def fp32_value(variant, w, state):
+    bits = load_bits(w)
+    weights = VARIANTS[variant].weights
+    if weights == "fp32-master":
+        return state["master"].double()
+    if weights == "mantissa":
+        return float_of(join_mantissa(bits, state["mantissa"].long())).double()
+    base = float_of(bits << 16).double()
+    return base + state["compensation"].double() if weights == "kahan" else base
+
+
+# Per step, fp32 AdamW differs from float64 by one rounding of the weight (<= u |x|) plus the
+# error of the update. That update is lr * q with |q| <= (1 - b1) / sqrt(1 - b2) = 3.2 (Kingma &
+# Ba, section 2.1); v's recurrence adds only positive terms, so its relative error after t steps
+# is at most 3 u t (< 2^-13 here), m's is at most 3 u / (1 - b1) of its largest terms, and sqrt,
+# division and the scalings add a few u: together below 2^-11 lr per step for these runs.
+STEPS = 300
+
+
+def exact_bound(x):
+    return STEPS * (U * x.abs().max() + 2.0**-11 * LR)
+
+
+@pytest.mark.parametrize("variant", ["fp32-master", "bf16-mantissa", "bf16-kahan", "bf16-sr", "all-bf16-sr",
+                                     pytest.param("bf16", marks=pytest.mark.xfail(
+                                         strict=True, reason="round to nearest loses every update below half an ulp"))])
+def test_small_updates_are_not_lost(variant):
+    """Weights in [0.5, 2) with updates of about lr = 1e-3, below half a bf16 ulp (2^-9 to 2^-7):
+    pure bf16 stalls (the xfail); every fix follows the float64 trajectory within its bound."""
+    n = 2048
+    w0 = ((torch.rand(n) * 1.5 + 0.5) * torch.where(torch.rand(n) < 0.5, -1.0, 1.0)).to(torch.bfloat16)
+    grads = drifting_grads(n, STEPS)
+    x, m, v = w0.double(), torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    for t, g in enumerate(grads, start=1):
+        x, m, v = adamw64(x, m, v, g.double(), t)
+    w, state = run_variant(variant, w0, grads)
+    err = fp32_value(variant, w, state) - x
+    moved = (x - w0.double()).abs().mean()
+    assert moved > 0.1                              # the reference really moves: ~lr per step
+    weights = VARIANTS[variant].weights
+    if weights in ("fp32-master", "mantissa"):
+        assert err.abs().max() <= exact_bound(x)
+    elif weights == "kahan":
+        # Kahan keeps w + c exact up to the bf16 rounding of c: |c| <= half an ulp of w <= 2^-8 |w|,
+        # so rounding c costs <= 2^-8 * 2^-8 |w| = 2^-16 |w| a step, plus the fp32 error.
+        assert err.abs().max() <= STEPS * 2.0**-16 * x.abs().max() + 2 * exact_bound(x)
+    else:
+        # stochastic: each step's rounding error has mean 0 given the past and variance <= ulp^2/4,
+        # ulp <= 2^-7 |w|; the mean over n independent elements after STEPS steps has standard
+        # deviation <= sqrt(STEPS / n) * 2^-8 max|w|. 6 sigma: false-failure rate 2.0e-9.
+        sigma = math.sqrt(STEPS / n) * 2.0**-8 * float(x.abs().max())
+        assert abs(float(err.mean())) <= 6 * sigma + exact_bound(x)
+        assert err.abs().max() <= 1.0               # no element runs away
+    # every fix keeps at least 99 % of the movement (bf16 keeps none of it)
+    assert (fp32_value(variant, w, state) - w0.double()).abs().mean() >= 0.99 * moved
+
+
+@pytest.mark.parametrize("variant", ["bf16", "bf16-sr", "bf16-moments", "bf16-moments-sr"])
+def test_each_rounding_step_is_within_its_bound(variant):
+    """Step by step, from the variant's own state: the stored weight and moments are the float64
+    results rounded, to nearest (<= 2^-8 |t| away) or stochastically (< 2^-7 |t|)."""
+    n = 4096
+    w = (torch.randn(n) * 0.5).to(torch.bfloat16)
+    state = new_state(w, variant)
+    v_ = VARIANTS[variant]
+    for t, g in enumerate(drifting_grads(n, 40), start=1):
+        w_before = fp32_value(variant, w, state)
+        m0, s0 = state["exp_avg"].double(), state["exp_avg_sq"].double()
+        x, m, s = adamw64(w_before, m0, s0, g.double(), t)
+        adamw16_update(w, g, state, variant, coefficients(LR, B1, B2, EPS, WD, t), step_seed(1, t))
+        # the fp32 arithmetic before rounding: within 2^-11 lr of float64 (see exact_bound)
+        slack = 2.0**-11 * LR + U * x.abs()
+        rel = 2.0**-8 if v_.weights in ("nearest", "mantissa") else 2.0**-7
+        if v_.weights == "mantissa":
+            assert ((fp32_value(variant, w, state) - x).abs() <= slack).all()
+        else:
+            assert ((float_of(load_bits(w) << 16).double() - x).abs() <= rel * x.abs() + slack).all()
+        rel_m = 2.0**-8 if v_.moments == "nearest" else 2.0**-7
+        for stored, exact in ((state["exp_avg"], m), (state["exp_avg_sq"], s)):
+            tol = rel_m * exact.abs() + 8 * U * exact.abs() + 1e-30
+            assert ((stored.double() - exact).abs() <= tol).all()
+
+
+def test_bf16_second_moment_stalls_to_nearest_but_decays_stochastically():
+    """With beta2 = 0.999, v * 0.999 is within half a bf16 ulp of v: to nearest, v never decays."""
+    n = 4096
+    for variant, expect_decay in (("bf16-moments", False), ("bf16-moments-sr", True)):
+        w = torch.randn(n).to(torch.bfloat16)
+        state = new_state(w, variant)
+        state["exp_avg_sq"].fill_(1.0)
+        for t in range(1, 201):
+            adamw16_update(w, torch.zeros(n), state, variant, coefficients(LR, B1, B2, EPS, 0.0, t), step_seed(2, t))
+        mean = state["exp_avg_sq"].double().mean().item()
+        if expect_decay:  # 0.999^200 = 0.819; the mean of 4096 unbiased roundings is far closer than 0.01
+            assert abs(mean - 0.999**200) < 0.01
+        else:
+            assert mean == 1.0
+
+
+# --- the mantissa buffer is fp32 master weights ------------------------------------------------
+def test_the_mantissa_buffer_is_bit_exact_to_fp32_master_weights():
+    n, steps = 4096, 500
+    w0 = (torch.randn(n) * 0.3).to(torch.bfloat16)
+    a, b = w0.clone(), w0.clone()
+    sa, sb = new_state(a, "fp32-master"), new_state(b, "bf16-mantissa")
+    for t in range(1, steps + 1):
+        g = torch.randn(n) * torch.exp2(torch.randint(-14, 0, (n,)).float())
+        c = coefficients(LR, B1, B2, EPS, WD, t)
+        adamw16_update(a, g, sa, "fp32-master", c)
+        adamw16_update(b, g, sb, "bf16-mantissa", c)
+        if t % 50 == 0 or t == steps:
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"bf16 weights differ at step {t}"
+            assert torch.equal(join_mantissa(load_bits(b), sb["mantissa"].long()), bits_of(sa["master"])), t
+            assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+    assert not torch.equal(a, w0)
+
+
+def test_training_with_the_mantissa_buffer_repeats_fp32_master_bit_for_bit():
+    from mpgpt.model import GPT, GPTConfig
+
+    torch.set_num_threads(1)  # one summation order for both runs
+    seed = int(torch.randint(0, 2**31, ()))
+    losses = {}
+    for variant in ("fp32-master", "bf16-mantissa"):
+        torch.manual_seed(seed)
+        model = GPT(GPTConfig.preset("tiny", vocab_size=32, n_embd=32, n_layer=1, n_head=2, block_size=16))
+        opt = AdamW16(model.parameters(), lr=3e-3, variant=variant, seed=0)
+        x = torch.randint(0, 32, (4, 17), generator=torch.Generator().manual_seed(seed))  # one batch, memorised
+        losses[variant] = []
+        for _ in range(15):
+            _, loss = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[variant].append(loss.item())
+    assert losses["fp32-master"] == losses["bf16-mantissa"]
+    assert losses["fp32-master"][-1] < losses["fp32-master"][0]
+
+
+def test_fp32_master_follows_torch_adamw():
+    """Same formula, different order of fp32 operations: within exact_bound of each other."""
+    p = torch.nn.Parameter(torch.randn(1000))
+    q = torch.nn.Parameter(p.detach().clone())
+    ours = AdamW16([p], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, variant="fp32-master")
+    theirs = torch.optim.AdamW([q], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, foreach=False)
+    for g in drifting_grads(1000, 100):
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    master = ours.fp32_weight(p)
+    assert (master - q.detach()).abs().max() <= 100 * (2 * U * q.detach().abs().max() + 2.0**-10 * LR)
+    # and the model reads master rounded to nearest
+    assert ((p.detach().double() - master.double()).abs() <= 2.0**-8 * master.double().abs()).all()
+
+
+# --- bytes and errors --------------------------------------------------------------------------
+def test_bytes_per_parameter():
+    totals = {name: bytes_per_param(name)["total"] for name in VARIANTS}
+    assert totals == {"fp32-master": 16, "bf16": 12, "bf16-sr": 12, "bf16-kahan": 14, "bf16-mantissa": 14,
+                      "bf16-moments": 10, "bf16-moments-sr": 10, "all-bf16-sr": 8}
+    for name in VARIANTS:  # the docstring's table says the same
+        assert f"`{name}`" in optim16.__doc__
+
+
+def test_bad_input_is_refused_clearly():
+    with pytest.raises(ValueError, match="unknown variant 'bf8'; choose one of"):
+        AdamW16([torch.nn.Parameter(torch.randn(3))], variant="bf8")
+    with pytest.raises(TypeError, match="model.to"):
+        AdamW16([torch.nn.Parameter(torch.randn(3).half())])
+    with pytest.raises(ValueError, match="seed"):
+        AdamW16([torch.nn.Parameter(torch.randn(3))], seed=-1)
+
+
+def test_float32_parameters_hold_bf16_values():
+    p = torch.nn.Parameter(torch.randn(500))
+    original = p.detach().clone()
+    opt = AdamW16([p], variant="bf16-mantissa")
+    assert torch.equal(p.detach(), p.detach().to(torch.bfloat16).float())       # bf16 values
+    assert torch.equal(opt.fp32_weight(p), original)                             # nothing lost
+
+
+# --- the fused kernel --------------------------------------------------------------------------
+def _kernel():
+    ok, why = kenv.kernels_available()
+    if not ok:
+        pytest.skip(why)
+    from mpgpt.kernels.adamw16 import adamw16_fused
+
+    return adamw16_fused
+
+
+def _same(a, b):
+    view = (lambda t: t.view(torch.int16)) if a.dtype == torch.bfloat16 else (lambda t: t)
+    return torch.equal(view(a), view(b))
+
+
+@pytest.mark.parametrize("variant, grad_dtype", [(v, torch.float32) for v in VARIANTS] +
+                         [("bf16-sr", torch.bfloat16), ("fp32-master", torch.bfloat16)])
+def test_fused_kernel_matches_the_reference(variant, grad_dtype):
+    """In the interpreter the kernel does the reference's fp32 operations in the same order, so the
+    results are identical bit for bit; on a GPU FMA contraction may move the last bit (see
+    test_fused_kernel_on_gpu)."""
+    if not kenv.interpreting():
+        pytest.skip("bit-for-bit agreement is the interpreter's; the GPU test has a tolerance")
+    fused = _kernel()
+    n = 1000  # not a multiple of the block: the mask is exercised
+    w0 = (torch.randn(n) * 0.5).to(torch.bfloat16)
+    a, b = w0.clone(), w0.clone()
+    sa, sb = new_state(a, variant), new_state(b, variant)
+    for t in range(1, 4):
+        g = (torch.randn(n) * 1e-2).to(grad_dtype)
+        c, key = coefficients(1e-2, B1, B2, EPS, WD, t), step_seed(11, t)
+        adamw16_update(a, g, sa, variant, c, key, offset=77)
+        fused(b, g, sb, variant, c, key, offset=77, block=256)
+    assert _same(a, b)
+    for name in sa:
+        assert _same(sa[name], sb[name]), name
+    assert not torch.equal(a, w0)
+
+
+def test_fused_kernel_refuses_bad_input():
+    fused = _kernel()
+    w = torch.randn(10).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous bf16"):
+        fused(w.float(), w, new_state(w, "bf16"), "bf16", coefficients(LR, B1, B2, EPS, WD, 1))
+    with pytest.raises(ValueError, match="unknown variant"):
+        fused(w, w, new_state(w, "bf16"), "bf17", coefficients(LR, B1, B2, EPS, WD, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.sm80
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fused_kernel_on_gpu(variant):
+    """Compiled with FMA fusion off, the kernel rounds every fp32 operation as the reference does
+    (sqrt_rn, div_rn are IEEE; the rest is integer arithmetic): the same bits on the GPU too."""
+    fused = _kernel()
+    n = (1 << 20) + 3
+    w0 = (torch.randn(n) * 0.5).to(torch.bfloat16)
+    a, b = w0.clone(), w0.clone().cuda()
+    sa = new_state(a, variant)
+    sb = {k: t.cuda() for k, t in new_state(a, variant).items()}
+    for t in range(1, 4):
+        g = torch.randn(n) * 1e-2
+        c, key = coefficients(1e-2, B1, B2, EPS, WD, t), step_seed(11, t)
+        adamw16_update(a, g, sa, variant, c, key)
+        fused(b, g.cuda(), sb, variant, c, key)
+    assert _same(a, b.cpu())
+    for name in sa:
+        assert _same(sa[name], sb[name].cpu()), name
+
+
+# --- the benchmark's CPU-side logic ------------------------------------------------------------
+def test_benchmark_counts_gpt2_small_and_its_bytes():
+    from mpgpt.bench import optim16 as bench
+    from mpgpt.model import GPT, GPTConfig
+
+    shapes = bench.gpt2_shapes("tiny")
+    model = GPT(GPTConfig.preset("tiny"))
+    assert shapes == [tuple(p.shape) for p in model.parameters()]
+    n = sum(math.prod(s) for s in bench.gpt2_shapes())
+    assert 124_000_000 < n < 125_000_000           # GPT-2 small, tied embedding counted once
+    assert bench.bytes_moved("fp32-master") == 2 * (2 + 4 + 4 + 4) + 2   # 30: more than torch fp32's 28
+    assert bench.bytes_moved("all-bf16-sr") == 2 * (2 + 2 + 2) + 2       # 14: torch bf16's traffic
+    assert bench.TORCH_BYTES["torch-fused-fp32"] == 28
+
+
+def test_benchmark_without_a_gpu_says_so(capsys):
+    from mpgpt.bench.__main__ import main
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the benchmark runs")
+    assert main(["optim16"]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert main(["optim16", "--variants", "bf8"]) == 2
+    assert "unknown variant 'bf8'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("variant", ["all-bf16-sr", "bf16-kahan"])
+def test_the_optimizer_over_a_flat_group_equals_per_parameter_updates(variant):
+    """AdamW16 updates a whole group as one flat tensor; the random bits follow the flat index,
+    so updating each parameter at its offset gives the same bits."""
+    shapes = [(7, 5), (13,), (3, 4, 2)]
+    params = [torch.nn.Parameter(torch.randn(s).to(torch.bfloat16)) for s in shapes]
+    copies = [p.detach().clone() for p in params]
+    opt = AdamW16(params, lr=1e-2, variant=variant, seed=9)
+    states = [new_state(c, variant) for c in copies]
+    offsets = [0, 35, 48]
+    for t in range(1, 4):
+        grads = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        c = coefficients(1e-2, 0.9, 0.999, 1e-8, 0.01, t)
+        for w, g, st, off in zip(copies, grads, states, offsets):
+            adamw16_update(w, g, st, variant, c, step_seed(9, t), off)
+    for p, w in zip(params, copies):
+        assert torch.equal(p.detach().view(torch.int16), w.view(torch.int16))
+
+
+def test_benchmark_refuses_a_gpu_below_sm80(monkeypatch, capsys):
+    from mpgpt import runtime
+    from mpgpt.bench import optim16 as bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime, "capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(runtime, "device_name", lambda device=None: "Tesla T4")
+    assert bench.main([]) == 1
+    assert "Tesla T4 is sm_75" in capsys.readouterr().out
+
+
+def test_without_triton_the_kernel_says_why_and_the_rest_works():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
+            "import torch\n"
+            "from mpgpt.optim16 import AdamW16, coefficients, new_state\n"
+            "from mpgpt.kernels.adamw16 import adamw16_fused\n"
+            "p = torch.nn.Parameter(torch.randn(8)); opt = AdamW16([p], variant='bf16-sr')\n"
+            "p.grad = torch.randn(8); opt.step()\n"
+            "w = torch.randn(8).bfloat16()\n"
+            "try:\n"
+            "    adamw16_fused(w, w, new_state(w, 'bf16'), 'bf16', coefficients(1e-3, .9, .999, 1e-8, 0, 1))\n"
+            "except RuntimeError as e:\n"
+            "    assert 'Linux only' in str(e), e\n"
+            "else:\n"
+            "    raise SystemExit('no error')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
