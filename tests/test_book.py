@@ -361,8 +361,8 @@ LAYOUT_WIDTH = 1400  # px: a laptop browser window
 
 @pytest.mark.parametrize("docname", toc_docnames())
 def test_page_layout_in_browser(docname, browser, served_book):
-    """At 1400 px: no code or output block wider than its column (the numbers at the right end
-    would be cut off behind a scroll bar), no NBVAL marker visible, and on a chapter page every
+    """At 1400 px: no code or output block and no table wider than its column (the numbers at the
+    right end would be cut off behind a scroll bar), no NBVAL marker visible, and on a chapter page every
     exercise titled "Exercise N.k" with its solution in a closed dropdown."""
     import re
     page = browser.new_page(viewport={"width": LAYOUT_WIDTH, "height": 900})
@@ -373,11 +373,18 @@ def test_page_layout_in_browser(docname, browser, served_book):
         wide = page.evaluate("""() => Array.from(document.querySelectorAll('main pre, article pre'))
             .filter(pre => pre.offsetParent !== null && pre.scrollWidth > pre.clientWidth + 1)
             .map(pre => {
-                const lines = pre.innerText.split('\\n');
+                const lines = (pre.innerText || pre.textContent).split('\\n');
                 const longest = lines.reduce((a, b) => b.length > a.length ? b : a, '');
                 return {over: pre.scrollWidth - pre.clientWidth, width: pre.clientWidth, line: longest.slice(0, 100)};
             })""")
         problems += [f"a block is {w['over']} px wider than its {w['width']} px column: {w['line']!r}" for w in wide]
+        tables = page.evaluate("""() => Array.from(document.querySelectorAll('main table, article table'))
+            .filter(t => t.offsetParent !== null)
+            .map(t => ({table: t, box: t.closest('.pst-scrollable-table-container') || t.parentElement}))
+            .filter(({table, box}) => table.scrollWidth > box.clientWidth + 1)
+            .map(({table, box}) => ({over: table.scrollWidth - box.clientWidth,
+                                     head: table.innerText.split('\\n')[0].slice(0, 100)}))""")
+        problems += [f"a table is {t['over']} px wider than its column: {t['head']!r}" for t in tables]
         visible = page.locator("main, article").first.inner_text()
         problems += [f"a visible NBVAL marker: {line.strip()!r}" for line in visible.splitlines() if "NBVAL" in line]
         number = int(docname.split("/")[-1][:2]) if docname.startswith("notebooks/") and docname.split("/")[-1][:2].isdigit() else None
