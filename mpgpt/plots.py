@@ -117,6 +117,9 @@ def plot_representable(formats=("e4m3fn", "e5m2")) -> Figure:
 
 DEFAULT_ACCUMULATION_CASES = (("fp32", None), ("fp16", None), ("bf16", None),
                               ("fp16", "fp32"), ("bf16", "fp32"))
+# 16-bit values summed into an fp32 accumulator: a lighter shade of the format's own color.
+MIXED_ACCUMULATION_COLORS = {("fp16", "fp32"): "#ff9896", ("bf16", "fp32"): "#9ecae1",
+                             ("e4m3fn", "fp32"): "#c5b0d5", ("e5m2", "fp32"): "#ffbb78"}
 
 
 def plot_accumulation(values, cases=DEFAULT_ACCUMULATION_CASES) -> Figure:
@@ -132,7 +135,10 @@ def plot_accumulation(values, cases=DEFAULT_ACCUMULATION_CASES) -> Figure:
         f = F.get_format(fmt)
         partial = F.running_sum(v, f, acc)
         label = f"{f.name} values, {F.get_format(acc).name if acc else f.name} accumulator"
-        ax.plot(steps, partial, color=FORMAT_COLORS.get(f.name, None),
+        acc_name = F.get_format(acc).name if acc else f.name
+        color = (FORMAT_COLORS.get(f.name) if acc_name == f.name
+                 else MIXED_ACCUMULATION_COLORS.get((f.name, acc_name)))
+        ax.plot(steps, partial, color=color,
                 linestyle="--" if acc else "-", label=f"{label}: {float(partial[-1]):.4g}")
     ax.set_xlabel("number of values added")
     ax.set_ylabel("running sum")
@@ -426,8 +432,18 @@ KERNEL_STYLE = {  # series name in the result file -> (legend label, color)
     "cublas": ("cuBLAS (torch.matmul)", "#4d4d4d"),
     "grouped": ("Triton: grouped tile order", "#1f77b4"),
     "tma": ("Triton: persistent grid + TMA", "#d62728"),
+    "ws": ("Gluon: warp-specialised", "#2ca02c"),
     "auto": ("Triton: kernel='auto'", "#9467bd"),
 }
+# Colors for series a result file has but KERNEL_STYLE does not know, none of them used above.
+SPARE_COLORS = ("#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
+
+
+def _kernel_styles(names) -> dict:
+    """(label, color) for each series name: KERNEL_STYLE's, else the next spare color, so that no
+    two series of one figure share a color."""
+    spare = iter(SPARE_COLORS)
+    return {name: KERNEL_STYLE.get(name) or (name, next(spare, None)) for name in names}
 
 
 def arithmetic_intensity(M: int, N: int, K: int, bytes_per_element: int = 2) -> float:
@@ -448,9 +464,10 @@ def plot_kernel_tflops(results: dict) -> Figure:
     kernels = _kernel_names(results)
     series = ["cublas"] + kernels
     width = 0.8 / len(series)
+    styles = _kernel_styles(series)
     fig, ax = plt.subplots(figsize=(11, 4.8))
     for j, name in enumerate(series):
-        label, color = KERNEL_STYLE.get(name, (name, None))
+        label, color = styles[name]
         xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(rows))]
         heights = [r["cublas_tflops"] if name == "cublas" else r[name]["tflops"] for r in rows]
         ax.bar(xs, heights, width=width, label=label, color=color)
@@ -490,8 +507,9 @@ def plot_roofline(results: dict, bandwidth_tbs: float, peak_tflops: float | None
     ax.text(ridge * 1.08, bandwidth_tbs * 1.5, f"ridge {ridge:.0f} FLOP/B", fontsize=8, color="0.35")
     ax.text(1.2, bandwidth_tbs * 1.2 * 1.5, f"memory: {bandwidth_tbs:g} TB/s", fontsize=8, rotation=28)
     ax.text(1.2, peak * 1.08, f"compute: {peak:.0f} TFLOP/s (best cuBLAS in the file)", fontsize=8)
+    styles = _kernel_styles(["cublas"] + kernels)
     for name in ["cublas"] + kernels:
-        label, color = KERNEL_STYLE.get(name, (name, None))
+        label, color = styles[name]
         pts = [(arithmetic_intensity(r["M"], r["N"], r["K"], bytes_per_element),
                 r["cublas_tflops"] if name == "cublas" else r[name]["tflops"]) for r in rows]
         ax.scatter(*zip(*pts), label=label, color=color, s=28, zorder=3,
@@ -534,6 +552,8 @@ def plot_roofline(results: dict, bandwidth_tbs: float, peak_tflops: float | None
 TRAIN_LADDER = ("fp32", "tf32", "fp16", "fp16-gradscaler", "bf16", "bf16+compile",
                 "bf16+compile+cudagraphs", "bf16+compile+triton")
 PRECISION_COLORS = {"fp32": "#7f7f7f", "tf32": "#9467bd", "fp16": "#d62728", "bf16": "#1f77b4"}
+# Reference lines (public anchors) on the ladder: one color each, none of them a precision's.
+ANCHOR_COLORS = ("#e07a5f", "#2ca02c", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
 
 
 def is_gpu_result(result: dict) -> bool:
@@ -571,7 +591,7 @@ def plot_train_ladder(result: dict, anchors=None, order=TRAIN_LADDER) -> Figure:
         ax.text(r["tokens_per_s"] / 1e3, y, label, va="center", fontsize=8)
     styles = ["--", ":", "-."]
     for i, (label, tps) in enumerate((anchors or {}).items()):
-        ax.axvline(tps / 1e3, color="#e07a5f", linestyle=styles[i % len(styles)], linewidth=1.3,
+        ax.axvline(tps / 1e3, color=ANCHOR_COLORS[i % len(ANCHOR_COLORS)], linestyle=styles[i % len(styles)], linewidth=1.3,
                    label=f"{label}: {tps / 1e3:.0f}k")
     if anchors:
         ax.legend(fontsize=8, loc="upper right")  # the first rungs (fp32, tf32) are short bars: room at the top

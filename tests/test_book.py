@@ -302,3 +302,108 @@ def test_page_in_browser(docname, browser, served_book, book_html):
     # any script/style the page wanted from outside so an offline reader does not lose it.
     problems += [f"page requested an external resource: {u}" for u in external]
     assert not problems, f"{docname}:\n" + "\n".join(problems)
+
+
+# --- (d) what the rendered pages say and how they are laid out --------------------------------
+
+# Development-log talk a reader cannot make sense of: internal issue numbers, targets met or
+# missed, round or call numbers, and paths of the machines the course was written on.
+DEV_LOG = [
+    ("an issue number", r"\bissue\s*#?\d+\b"),
+    ("a target met or missed", r"\btargets?\b[^.\n]{0,40}\b(met|missed)\b|\bmet: (True|False)\b|"
+                               r"\b(met|missed|meets|misses) (the|its|our|the course's) [^.\n]{0,20}target|"
+                               r"\b(within|outside|inside|beyond) the [^.\n]{0,12}\btarget\b"),
+    ("the course's own target", r"\bcourse's [^.\n]{0,20}target"),
+    ("a round or call number", r"\b(round|call|session)\s*#\d+|\b(round|call|session) \d+ of \d+\b|"
+                               r"\bin (round|session) \d+\b"),
+    ("a machine-local path", r"(?<![\w.])/(work|home|tmp|root|Users|mnt|scratch|workspace)/[\w.+-]+"),
+]
+
+
+def page_text(path: Path) -> str:
+    """The text a reader sees on a rendered page (scripts, styles and the hidden search data removed)."""
+    soup = BeautifulSoup(path.read_text(encoding="utf-8"), "html.parser")
+    for tag in soup(["script", "style", "noscript"]):
+        tag.decompose()
+    main = soup.select_one("main") or soup.select_one("article") or soup
+    return " ".join(main.get_text(" ").split())
+
+
+def dev_log_problems(docname: str, text: str) -> list[str]:
+    import re
+    problems = []
+    for what, pattern in DEV_LOG:
+        for match in re.finditer(pattern, text, re.IGNORECASE):
+            a, b = max(0, match.start() - 60), min(len(text), match.end() + 60)
+            problems.append(f"{docname}: {what}: ...{text[a:b]}...")
+    return problems
+
+
+def test_dev_log_patterns_catch_what_they_should():
+    bad = ("as issue 6 asked; target 550k met: False; the course's 550k target; in round 3; call #12; "
+           "+7.7% vs bf16 (outside the 3 % target); "
+           "see /work/wt-book/mpgpt and /tmp/gpu-out/result.json")
+    found = " ".join(dev_log_problems("x", bad))
+    for what, _ in DEV_LOG:
+        assert what in found, f"the {what!r} pattern missed its example"
+    good = ("round to nearest, ties to even; round 2.5 to 2; the target character; the call to "
+            "torch.matmul; https://github.com/pytorch/examples/issues/1196; a/tmp/b; 0.5 rounds")
+    assert dev_log_problems("x", good) == [], dev_log_problems("x", good)
+
+
+def test_rendered_pages_speak_to_readers(book_html):
+    problems = []
+    for docname in toc_docnames():
+        problems += dev_log_problems(docname, page_text(html_path(book_html, docname)))
+    assert not problems, "development-log text in the rendered book:\n" + "\n".join(problems)
+
+
+LAYOUT_WIDTH = 1400  # px: a laptop browser window
+
+
+@pytest.mark.parametrize("docname", toc_docnames())
+def test_page_layout_in_browser(docname, browser, served_book):
+    """At 1400 px: no code or output block and no table wider than its column (the numbers at the
+    right end would be cut off behind a scroll bar), no NBVAL marker visible, and on a chapter page every
+    exercise titled "Exercise N.k" with its solution in a closed dropdown."""
+    import re
+    page = browser.new_page(viewport={"width": LAYOUT_WIDTH, "height": 900})
+    page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(served_book.rstrip("/")) else r.abort())
+    problems = []
+    try:
+        page.goto(served_book + f"{docname}.html", wait_until="load")
+        wide = page.evaluate("""() => Array.from(document.querySelectorAll('main pre, article pre'))
+            .filter(pre => pre.offsetParent !== null && pre.scrollWidth > pre.clientWidth + 1)
+            .map(pre => {
+                const lines = (pre.innerText || pre.textContent).split('\\n');
+                const longest = lines.reduce((a, b) => b.length > a.length ? b : a, '');
+                return {over: pre.scrollWidth - pre.clientWidth, width: pre.clientWidth, line: longest.slice(0, 100)};
+            })""")
+        problems += [f"a block is {w['over']} px wider than its {w['width']} px column: {w['line']!r}" for w in wide]
+        tables = page.evaluate("""() => Array.from(document.querySelectorAll('main table, article table'))
+            .filter(t => t.offsetParent !== null)
+            .map(t => ({table: t, box: t.closest('.pst-scrollable-table-container') || t.parentElement}))
+            .filter(({table, box}) => table.scrollWidth > box.clientWidth + 1)
+            .map(({table, box}) => ({over: table.scrollWidth - box.clientWidth,
+                                     head: table.innerText.split('\\n')[0].slice(0, 100)}))""")
+        problems += [f"a table is {t['over']} px wider than its column: {t['head']!r}" for t in tables]
+        visible = page.locator("main, article").first.inner_text()
+        problems += [f"a visible NBVAL marker: {line.strip()!r}" for line in visible.splitlines() if "NBVAL" in line]
+        number = int(docname.split("/")[-1][:2]) if docname.startswith("notebooks/") and docname.split("/")[-1][:2].isdigit() else None
+        if number is not None:
+            titles = page.eval_on_selector_all("div.exercise > .admonition-title, div.exercise p.admonition-title",
+                                               "els => els.map(e => e.innerText.trim())")
+            problems += [f"exercise title {t!r} is not 'Exercise {number}.k'" for t in titles
+                         if not re.match(rf"^Exercise {number}\.\d+\b", t)]
+            if not titles:
+                problems.append("no exercise titles found")
+            solutions = page.eval_on_selector_all(
+                "div.solution", "els => els.map(e => ({dropdown: e.classList.contains('dropdown'), "
+                "open: e.querySelector('.admonition-title') ? e.innerText.length > e.querySelector('.admonition-title').innerText.length + 40 : true, "
+                "title: (e.querySelector('.admonition-title') || e).innerText.trim().slice(0, 60)}))")
+            problems += [f"solution {s['title']!r} is not a dropdown" for s in solutions if not s["dropdown"]]
+            problems += [f"solution {s['title']!r} shows its text before it is opened" for s in solutions
+                         if s["dropdown"] and s["open"]]
+    finally:
+        page.close()
+    assert not problems, f"{docname} at {LAYOUT_WIDTH} px:\n" + "\n".join(problems)

@@ -141,6 +141,11 @@ def problems_of(path: Path) -> list[str]:
         if solutions.count(label) != 1:
             problems.append(f"exercise {label!r} has {solutions.count(label)} {{solution}} blocks; it needs exactly one")
     problems += [f"{{solution}} {arg!r} refers to no exercise" for arg in solutions if arg not in labels]
+    for name, arg, body in found:
+        if name == "solution" and not re.search(r"^:class:.*\bdropdown\b", body, re.MULTILINE):
+            problems.append(f"{{solution}} {arg!r} must open as a dropdown: add `:class: dropdown` under it")
+        if name == "exercise" and re.search(r"^:nonumber:", body, re.MULTILINE):
+            problems.append("an {exercise} with :nonumber: loses its chapter number (Exercise N.k)")
     if re.search(r"\{(solution|exercise)-(start|end)\}", markdown):
         problems.append("gated solution-start/solution-end directives crash the student build (sphinx-exercise issue 89)")
 
@@ -221,3 +226,26 @@ def test_a_lab_needs_a_lab_title_and_lab_labels(tmp_path):
     nbformat.write(nb, path)
     text = "\n".join(problems_of(path))
     assert "`# Lab — Title`" in text and "should start with 'lab-'" in text, text
+
+
+def test_exercises_are_numbered_per_chapter():
+    """book/_ext/chapter_exercises.py turns the book-wide exercise count into "Exercise N.k"."""
+    config = yaml.safe_load((ROOT / "_config.yml").read_text(encoding="utf-8"))
+    assert "chapter_exercises" in (config["sphinx"].get("local_extensions") or {}), \
+        "_config.yml must load book/_ext/chapter_exercises.py (sphinx.local_extensions)"
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    import chapter_exercises
+
+    class Env:  # what Sphinx has assigned: one count through the whole book
+        toc_fignumbers = {
+            "notebooks/01_number_formats": {"exercise": {"ch01-ex2": (2,), "ch01-ex1": (1,)}},
+            "notebooks/08_scaling_out": {"exercise": {"ch08-ex1": (25,), "ch08-ex2": (26,)}, "figure": {"f": (3,)}},
+            "book/setup": {"exercise": {"x": (27,)}},
+        }
+    env = Env()
+    changed = chapter_exercises.renumber(env)
+    assert env.toc_fignumbers["notebooks/01_number_formats"]["exercise"] == {"ch01-ex1": (1, 1), "ch01-ex2": (1, 2)}
+    assert env.toc_fignumbers["notebooks/08_scaling_out"]["exercise"] == {"ch08-ex1": (8, 1), "ch08-ex2": (8, 2)}
+    assert env.toc_fignumbers["notebooks/08_scaling_out"]["figure"] == {"f": (3,)}, "only exercises are renumbered"
+    assert env.toc_fignumbers["book/setup"]["exercise"] == {"x": (27,)}, "pages that are not chapters keep the count"
+    assert sorted(changed) == ["notebooks/01_number_formats", "notebooks/08_scaling_out"]
