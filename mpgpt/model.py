@@ -170,7 +170,7 @@ class CausalSelfAttention(nn.Module):
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
         # Mask future positions with -inf rather than a large negative sentinel: -1e9 does not
         # fit in fp16 (max 65504) and becomes -inf on the cast anyway, and finfo(fp16).min
-        # overflows to -inf as soon as a score is added to it, so a sentinel's behaviour would
+        # overflows to -inf once a score of -16 or less is added to it, so a sentinel's behaviour would
         # depend on the dtype (transformers PR 17306). -inf is exact in every dtype and
         # exp(-inf) = 0. No row is all -inf (a position always sees itself), so softmax never
         # divides 0 by 0.

@@ -58,6 +58,8 @@ PLANTED = {
                                        "the scale grows after growth_interval clean steps"),
         "unscales twice": ("unscale_in_step", "if True:", "unscale_() then step() divides by S only once"),
         "no guard on a second unscale_": ("twice_guard", "if False:", "a second unscale_() in one iteration raises"),
+        "never resets the unscaled flag": ("end_of_iteration", "self.found_inf = None",
+                                           "unscale_() then step() divides by S only once"),
         "misses NaN": ("check", "self.found_inf = any(bool(torch.isinf(g).any()) for g in grads)",
                        "steps with inf or NaN gradients are skipped"),
         "never skips": ("skip", "if False:", "steps with inf or NaN gradients are skipped"),
@@ -204,3 +206,14 @@ def test_the_report_shows_no_reference_code(tmp_path, capsys):
         leaked = [line for line in code_lines if line in out]
         assert not leaked, leaked
 
+
+
+def test_a_file_that_exits_never_passes(tmp_path):
+    """sys.exit() in a learner's file, at import or inside a graded function, is a failure, not a pass."""
+    from mpgpt.grade.__main__ import main
+    at_import = tmp_path / "exits.py"
+    at_import.write_text("import sys\nsys.exit(0)\n")
+    assert main(["ch5-scaler", str(at_import)]) != 0
+    inside = tmp_path / "exits_later.py"
+    inside.write_text("import sys\n\nclass DynamicLossScaler:\n    def __init__(self, *a, **k):\n        sys.exit(0)\n")
+    assert main(["ch5-scaler", str(inside)]) == 1

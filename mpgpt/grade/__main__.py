@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         module = load_module(args.path)
     except FileNotFoundError as exc:
         return _fail(str(exc))
-    except Exception as exc:  # the learner's file does not import: say where, not a traceback
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # the file does not import (or calls sys.exit()): say where, not a traceback
         return _fail(f"importing {args.path} raised {type(exc).__name__}: {exc}; fix that first "
                      "(run `python {args.path}` to see the traceback)".replace("{args.path}", str(args.path)))
     outcomes = grade(graded.checks(), module)

@@ -88,7 +88,9 @@ def grade(checks: list[Check], module: ModuleType) -> list[Outcome]:
     for check in checks:
         try:
             check.run(module)
-        except Exception as exc:  # a learner's bug may raise anything: report it as that behaviour's failure
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # a learner's bug may raise anything, sys.exit() too: that behaviour fails
             outcomes.append(Outcome(check.name, False, check.hint, _seen(exc, getattr(module, "__file__", None))))
         else:
             outcomes.append(Outcome(check.name, True))

@@ -37,7 +37,7 @@ def round_fp32_bits(bits: int, fmt: str) -> int:
     What the grader checks, one behaviour at a time:
     - exactly representable numbers keep their value; -0.0 keeps its sign;
     - round to nearest, and on an exact tie to the neighbour whose last mantissa bit is 0;
-    - values past the largest finite number (65504 in fp16) round to infinity, as IEEE 754 says;
+    - values from 65520 on (the midpoint past fp16's largest finite number, 65504) round to infinity, as IEEE 754 says;
     - fp16's gradual underflow: values below 2**-14 become subnormals (exponent field 0), and
       values at or below half the smallest subnormal (2**-25) round to zero;
     - infinities stay infinities, NaN stays NaN (any NaN pattern will do).

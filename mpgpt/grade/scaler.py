@@ -138,17 +138,23 @@ def _check_scale(module) -> None:
     expect(float(s.get_scale()) == 1024.0, f"get_scale() is {s.get_scale()!r} before any update; expected 1024.0")
 
 
-def _true_update(module, unscale_first: bool) -> None:
+def _true_update(module, unscale_first) -> None:
+    """Clean iterations (one per entry of `unscale_first`, each with or without an explicit
+    unscale_()); each must apply the true gradient, so state left over from an earlier iteration
+    (an "already unscaled" flag never reset) is caught too."""
+    pattern = [unscale_first] if isinstance(unscale_first, bool) else list(unscale_first)
     p, g = _model()
-    before = p.detach().clone()
-    scaler = module.DynamicLossScaler(init_scale=2.0**10)
+    scaler = module.DynamicLossScaler(init_scale=2.0**10, growth_interval=1000)
     optimizer = torch.optim.SGD([p], lr=0.5)
-    stepped = _iteration(scaler, p, g, optimizer, ".", unscale_first=unscale_first)
-    expect(stepped, "a clean iteration was skipped")
-    delta = (before - p.detach()) / 0.5  # the gradient SGD applied
-    ratio = (delta / g).mean().item()
-    expect(torch.allclose(delta, g, rtol=1e-6, atol=0),
-           f"the optimizer applied gradients {ratio:.3g} times the true ones (S = 1024)")
+    for i, first in enumerate(pattern):
+        before = p.detach().clone()
+        stepped = _iteration(scaler, p, g, optimizer, ".", unscale_first=first)
+        expect(stepped, f"clean iteration {i} was skipped")
+        delta = (before - p.detach()) / 0.5  # the gradient SGD applied
+        ratio = (delta / g).mean().item()
+        expect(torch.allclose(delta, g, rtol=1e-5, atol=0),
+               f"iteration {i} ({'with' if first else 'without'} unscale_() first) applied gradients "
+               f"{ratio:.3g} times the true ones (S = 1024)")
 
 
 def _check_step_unscales(module) -> None:
@@ -156,7 +162,7 @@ def _check_step_unscales(module) -> None:
 
 
 def _check_unscale_once(module) -> None:
-    _true_update(module, unscale_first=True)
+    _true_update(module, unscale_first=[True, False, True, False])
 
 
 def _check_unscale_twice_raises(module) -> None:

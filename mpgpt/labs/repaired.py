@@ -47,7 +47,7 @@ def mask_attend(q, k, v, keep):
 def adam_eps_build(config, device):
     """The smallest change: an eps that fp16 can hold. Adam divides by sqrt(v) + eps, and 1e-8 is
     below half of fp16's smallest subnormal (2**-24, about 6e-8), so in fp16 it rounds to 0; where a
-    gradient is 0 or tiny (unused embedding rows, g**2 underflowing), v is 0 and the update is
+    gradient is 0 or tiny (g**2 underflowing), v is 0 and the update is
     m / 0 = inf or 0 / 0 = NaN. 1e-4 is representable (a normal fp16 number is >= 6.1e-5). The
     better fix is the course's: fp32 master weights and optimizer state (chapter 3)."""
     model = GPT(config).to(device).half()

@@ -39,7 +39,7 @@ class DynamicLossScaler:
             if self.tracker == self.growth_interval:  # PLANT: growth
                 self.scale_value *= self.growth_factor
                 self.tracker = 0
-        self.found_inf, self.unscaled = None, False
+        self.found_inf, self.unscaled = None, False  # PLANT: end_of_iteration
 
     def get_scale(self):
         return self.scale_value
