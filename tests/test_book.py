@@ -389,7 +389,10 @@ def test_page_layout_in_browser(docname, browser, served_book):
         problems += [f"a table is {t['over']} px wider than its column: {t['head']!r}" for t in tables]
         visible = page.locator("main, article").first.inner_text()
         problems += [f"a visible NBVAL marker: {line.strip()!r}" for line in visible.splitlines() if "NBVAL" in line]
-        number = int(docname.split("/")[-1][:2]) if docname.startswith("notebooks/") and docname.split("/")[-1][:2].isdigit() else None
+        stem = docname.split("/")[-1]
+        number = None
+        if docname.startswith("notebooks/") and stem[:2].isdigit():  # 8 for 08_..., "5b" for the lab 05b_...
+            number = f"{int(stem[:2])}{stem[2]}" if stem[2].isalpha() else int(stem[:2])
         if number is not None:
             titles = page.eval_on_selector_all("div.exercise > .admonition-title, div.exercise p.admonition-title",
                                                "els => els.map(e => e.innerText.trim())")

@@ -3,18 +3,22 @@
 sphinx-exercise numbers its exercises with Sphinx's figure numbering, which counts through the
 whole book ("Exercise 25" in chapter 8). After Sphinx has assigned those numbers, this replaces
 each exercise number on a chapter page `notebooks/NN_*` by the pair (NN, k), k counting from 1 in
-page order, so titles and references read "Exercise 8.1". Pages that are not chapters keep the
-plain count.
+page order, so titles and references read "Exercise 8.1". A lab placed after a chapter
+(`notebooks/05b_*`) is numbered after its name: "Exercise 5b.1". Pages that are not chapters keep
+the plain count.
 """
 import re
 
-CHAPTER = re.compile(r"^notebooks/(\d\d)_")
+CHAPTER = re.compile(r"^notebooks/(\d\d)([a-z]?)_")
 
 
 def chapter_number(docname: str):
-    """The chapter number of a chapter page (notebooks/NN_...), else None."""
+    """The chapter number of a chapter page (notebooks/NN_...): 8; of a lab (notebooks/05b_...): "5b";
+    else None."""
     match = CHAPTER.match(docname)
-    return int(match.group(1)) if match else None
+    if not match:
+        return None
+    return f"{int(match.group(1))}{match.group(2)}" if match.group(2) else int(match.group(1))
 
 
 def renumber(env) -> list:
