@@ -712,6 +712,12 @@ def test_grouped_configs_follow_the_planned_capability(fake_gpu):
     assert grouped._prune_by_arch(grouped.CONFIGS_SM90 + grouped.CONFIGS_SM80, named) == grouped.CONFIGS_SM80
     fake_gpu((9, 0))
     assert grouped._prune_by_arch(grouped.CONFIGS_SM90 + grouped.CONFIGS_SM80, named) == grouped.CONFIGS_SM90
+    every = grouped.CONFIGS_SM90 + grouped.CONFIGS_SM80 + grouped.CONFIGS_SM75
+    fake_gpu((7, 5))  # a T4: only the two-stage configurations that fit its 64 KB of shared memory
+    assert grouped._prune_by_arch(every, named) == grouped.CONFIGS_SM75
+    assert all(c.num_stages <= 2 for c in grouped.CONFIGS_SM75)
+    fake_gpu((8, 9))
+    assert grouped._prune_by_arch(every, named) == grouped.CONFIGS_SM80
 
 
 # ------------------------------------------------------------------------------------------------
