@@ -4,6 +4,12 @@ import os
 import pytest
 import torch
 
+# mpgpt first: without a GPU it sets TRITON_INTERPRET=1, which Triton reads when it decorates its own
+# helpers at `import triton`. A test module that imported triton before mpgpt would leave those
+# helpers compiled-mode in this process, and every interpreted kernel would then fail ("Cannot call
+# @triton.jit'd outside of the scope of a kernel").
+import mpgpt  # noqa: E402,F401
+
 
 def _capability():
     if not torch.cuda.is_available():

@@ -21,6 +21,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import mpgpt  # noqa: F401  (before triton: it sets TRITON_INTERPRET for this process; see conftest.py)
+
 triton = pytest.importorskip("triton")
 GPUTarget = pytest.importorskip("triton.backends.compiler").GPUTarget
 
