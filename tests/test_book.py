@@ -342,7 +342,7 @@ def dev_log_problems(docname: str, text: str) -> list[str]:
 def test_dev_log_patterns_catch_what_they_should():
     bad = ("as issue 6 asked; target 550k met: False; the course's 550k target; in round 3; call #12; "
            "+7.7% vs bf16 (outside the 3 % target); "
-           "see /work/wt-book/mpgpt and /tmp/gpu-out/result.json")
+           "see /home/someone/mpgpt and /tmp/gpu-out/result.json")
     found = " ".join(dev_log_problems("x", bad))
     for what, _ in DEV_LOG:
         assert what in found, f"the {what!r} pattern missed its example"
