@@ -25,7 +25,6 @@ import io
 import shlex
 import sys
 import tempfile
-import textwrap
 import time
 import warnings
 from pathlib import Path
@@ -39,24 +38,8 @@ from mpgpt.grade import COMPONENTS, component  # noqa: E402
 from mpgpt.grade.core import grade, load_module  # noqa: E402
 from mpgpt.results import check_tag, write_result  # noqa: E402
 
-# The package's own implementation behind each graded interface (as tests/test_grade.py has them).
-OWN = {
-    "ch1-rounding": """
-        import struct
-        from mpgpt.formats import encode_nearest_even
-
-        def round_fp32_bits(bits, fmt):
-            return encode_nearest_even(struct.unpack("<f", struct.pack("<I", bits))[0], fmt)
-        """,
-    "ch5-scaler": "from mpgpt.scaling import DynamicLossScaler\n",
-    "ch6-matmul": """
-        from mpgpt.kernels import grouped, interpreting
-
-        def matmul(a, b, c):
-            grouped.launch(a, b, c, interpreted=interpreting())
-        """,
-    "lab-nans-hooks": "from mpgpt.labs.nonfinite import first_nonfinite_module\n",
-}
+# The package's own implementation behind each component's interface (mpgpt.grade.reference).
+from mpgpt.grade.reference import REFERENCE as OWN  # noqa: E402
 SCRIPTS = ("broken_clipping", "broken_resume", "broken_mask", "broken_adam_eps")
 
 
@@ -117,7 +100,7 @@ def grade_part() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for name in COMPONENTS:
             path = Path(tmp) / f"own_{name.replace('-', '_')}.py"
-            path.write_text(textwrap.dedent(OWN[name]), encoding="utf-8")
+            path.write_text(OWN[name], encoding="utf-8")
             start = time.perf_counter()
             outcomes = grade(component(name).checks(), load_module(path))
             out[name] = {"seconds": round(time.perf_counter() - start, 2),

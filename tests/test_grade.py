@@ -21,24 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = ROOT / "tests" / "grade_solutions"
 needs_triton = pytest.mark.skipif(env.TRITON_IMPORT_ERROR is not None, reason="Triton is not installed")
 
-# The package's own implementation behind each component's interface.
-OWN = {
-    "ch1-rounding": """
-        import struct
-        from mpgpt.formats import encode_nearest_even
+# The package's own implementation behind each component's interface (mpgpt.grade.reference).
+from mpgpt.grade.reference import REFERENCE as OWN  # noqa: E402
 
-        def round_fp32_bits(bits, fmt):
-            return encode_nearest_even(struct.unpack("<f", struct.pack("<I", bits))[0], fmt)
-        """,
-    "ch5-scaler": "from mpgpt.scaling import DynamicLossScaler\n",
-    "ch6-matmul": """
-        from mpgpt.kernels import grouped, interpreting
-
-        def matmul(a, b, c):
-            grouped.launch(a, b, c, interpreted=interpreting())
-        """,
-    "lab-nans-hooks": "from mpgpt.labs.nonfinite import first_nonfinite_module\n",
-}
 SOLUTION = {"ch1-rounding": "ch1_rounding.py", "ch5-scaler": "ch5_scaler.py", "ch6-matmul": "ch6_matmul.py",
             "lab-nans-hooks": "lab_nans_hooks.py"}
 
@@ -111,9 +96,7 @@ def _marks(name):
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in COMPONENTS])
 def test_the_package_own_implementation_passes(name, tmp_path):
-    import textwrap
-
-    results = _grade_source(name, textwrap.dedent(OWN[name]), tmp_path)
+    results = _grade_source(name, OWN[name], tmp_path)
     assert all(results.values()), [k for k, ok in results.items() if not ok]
 
 
