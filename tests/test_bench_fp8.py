@@ -25,8 +25,8 @@ def test_without_fp8_tensor_cores_it_says_so_and_writes_nothing(capsys, tmp_path
 
 def test_unknown_parts_are_refused_up_front(capsys):
     with pytest.raises(SystemExit):
-        bfp8.main(["--parts", "gemm,training"])
-    assert "unknown part(s) training" in capsys.readouterr().err
+        bfp8.main(["--parts", "gemm,bogus"])
+    assert "unknown part(s) bogus" in capsys.readouterr().err
 
 
 def test_ratios_are_reference_time_over_ours_and_skip_failures():
@@ -90,3 +90,16 @@ def test_every_part_runs_end_to_end_at_toy_sizes(cpu_bench, tmp_path):
     assert acc["triton_promoted"] < 1e-5 and acc["model_14bit"] > acc["model_14bit_promoted"] >= 0
     path = results.write_result("fp8", {"gemm": [gemm], "crossover": [cross], "accumulation": [acc]}, tmp_path)
     assert json.loads(path.read_text())["gemm"][0]["shape"] == "64^3"
+
+
+def test_the_training_part_converts_the_named_layers_and_shares_parameters():
+    from mpgpt.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", n_layer=2))
+    before = {id(p) for p in model.parameters()}
+    names = bfp8.to_fp8(model, bfp8.TRAIN_RUNS["fp8_all_linear"][1])
+    assert len(names) == 2 * 4 + 1 and "lm_head" in names      # four linears per block, and the head
+    assert {id(p) for p in model.parameters()} == before        # the same tensors, not copies
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert bfp8.to_fp8(GPT(GPTConfig.preset("tiny")), ("lm_head",)) == ["lm_head"]

@@ -456,3 +456,36 @@ def test_without_triton_the_kernel_says_why_and_the_rest_works():
             "    raise SystemExit('no error')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("variant", ["all-bf16-sr", "bf16-mantissa", "fp32-master"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_fused_optimizer_equals_adamw16_bit_for_bit(variant, device):
+    """FusedAdamW16 launches the kernel once per parameter at its flat offset: over a few steps its
+    weights and state are AdamW16's, bit for bit (interpreter on the CPU; the GPU kernel is built
+    without FMA contraction, so it too rounds exactly as the reference)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    _kernel()
+    from mpgpt.kernels.adamw16 import FusedAdamW16
+
+    torch.manual_seed(3)
+    shapes = [(33, 7), (50,), (4, 3, 5)]
+    start = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+    ref = [torch.nn.Parameter(t.clone()) for t in start]
+    fused = [torch.nn.Parameter(t.clone().to(device)) for t in start]
+    opt_ref = AdamW16(ref, lr=1e-2, weight_decay=0.1, variant=variant, seed=4)
+    opt_fused = FusedAdamW16(fused, lr=1e-2, weight_decay=0.1, variant=variant, seed=4)
+    for _ in range(3):
+        for r, f in zip(ref, fused):
+            r.grad = torch.randn(r.shape).to(torch.bfloat16)
+            f.grad = r.grad.to(device)
+        opt_ref.step()
+        opt_fused.step()
+    for r, f in zip(ref, fused):
+        assert _same(r.detach(), f.detach().cpu())
+        for name, t in opt_ref.state[r].items():
+            if name != "offset":
+                assert _same(t, opt_fused.state[f][name].cpu()), name
+    with pytest.raises(TypeError, match="bf16 parameters"):
+        FusedAdamW16([torch.nn.Parameter(torch.randn(4))], variant=variant)

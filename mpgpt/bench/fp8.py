@@ -19,6 +19,11 @@ cache between runs) on random inputs (never zeros):
    accumulator that keeps few bits loses the most) through torch._scaled_mm with and without
    use_fast_accum and through the Triton GEMM with and without promotion, each against float64
    of the same fp8 inputs; next to them the CPU model of a 14-bit accumulator (mpgpt.fp8.accumulate_model).
+4. training: GPT-2 small (its 50,304-entry output layer kept, on the course's character-level
+   Markov text) trained for 2000 steps of 16 x 256 tokens under bf16 autocast, three ways from the
+   same seed and batches: bf16 everywhere (twice: seeds 0 and 1, whose gap is the noise any
+   comparison must beat), fp8 (tensorwise, Fp8Linear) in the output layer only, and fp8 in every
+   linear layer. Loss curves, validation loss, ms per step and peak memory (mpgpt.bench.longrun).
 
 Prints a table and writes fp8_<gpu>_<date>.json into --out-dir (default: the current folder),
 after each part, with the GPU, driver, CUDA, torch and triton versions, the date, the command and
@@ -35,10 +40,12 @@ import torch
 from torch import nn
 
 from mpgpt import fp8, runtime
+from mpgpt.bench.longrun import RunConfig, corpus_dataset, long_run
 from mpgpt.kernels import fp8_matmul as kfp8
+from mpgpt.model import GPT, GPTConfig
 from mpgpt.results import check_tag, environment, write_result
 
-PARTS = ("gemm", "crossover", "accumulation")
+PARTS = ("gemm", "crossover", "accumulation", "training")
 GEMM_SHAPES = [("4096^3", 4096, 4096, 4096), ("8192^3", 8192, 8192, 8192)]
 TOKENS = 8192  # 8 sequences of 1024: GPT-2 small's batch per step in chapter 7
 GPT2_LAYERS = [  # (label, in, out)
@@ -248,6 +255,52 @@ def bench_accumulation(ks=ACCUM_K, mn=ACCUM_MN, device="cuda"):
     return rows
 
 
+# --- 4. training -----------------------------------------------------------------------------------------
+TRAIN_RUNS = {  # name -> (seed, which nn.Linear layers become Fp8Linear)
+    "bf16": (0, ()),
+    "bf16_seed1": (1, ()),
+    "fp8_lm_head": (0, ("lm_head",)),
+    "fp8_all_linear": (0, ("lm_head", "c_attn", "c_proj", "c_fc")),
+}
+
+
+def to_fp8(model: nn.Module, suffixes, recipe: str = "tensorwise") -> list[str]:
+    """Replace each nn.Linear whose name ends with one of ``suffixes`` by an Fp8Linear sharing its
+    parameters; return the replaced names."""
+    replaced = []
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and name in suffixes:
+                setattr(parent, name, fp8.Fp8Linear.from_linear(child, recipe=recipe))
+                replaced.append(f"{parent_name}.{name}".lstrip("."))
+    return replaced
+
+
+def bench_training(runs=TRAIN_RUNS, cfg=None, n_chars: int = 12_000_000, preset: str = "gpt2", device="cuda"):
+    cfg = cfg or RunConfig()
+    dataset = corpus_dataset(n_chars)
+    out = {}
+    for name, (seed, layers) in runs.items():
+        run_cfg = RunConfig(**{**cfg.__dict__, "seed": seed})
+        torch.manual_seed(seed)
+        model = GPT(GPTConfig.preset(preset, block_size=run_cfg.block_size)).to(device)
+        replaced = to_fp8(model, layers)
+        opt = torch.optim.AdamW(model.parameters(), lr=run_cfg.lr, betas=(0.9, 0.95), weight_decay=0.1,
+                                fused=torch.device(device).type == "cuda")
+        res = attempt(lambda: long_run(model, opt, dataset, run_cfg, device=device, autocast_dtype=torch.bfloat16))
+        res["fp8_layers"] = len(replaced)
+        out[name] = res
+        if "error" in res:
+            print(f"training {name}: {res['error']}", flush=True)
+        else:
+            print(f"training {name:>15}: {len(replaced):2d} fp8 layers, final val {res['val_loss'][-1][1]:.4f}, "
+                  f"{res['ms_per_step']:.2f} ms/step, {res['tokens_per_s']:,.0f} tokens/s, "
+                  f"peak {res['peak_gib'] or 0:.2f} GiB, {res['wall_s']:.0f} s", flush=True)
+        del model, opt
+        empty_cache(device)
+    return out
+
+
 def max_rel(c: torch.Tensor, exact: torch.Tensor) -> float:
     """Largest |c - exact| / |exact| (exact > 0 here: positive inputs)."""
     return ((c.double() - exact).abs() / exact.abs()).max().item()
@@ -276,7 +329,8 @@ def main(argv=None) -> int:
     print(f"{env['gpu']} | driver {env['driver']} | CUDA {env['cuda']} | torch {env['torch']} | triton {env['triton']}",
           flush=True)
     result = {"tokens": TOKENS, "layer_recipes": list(LAYER_RECIPES)}
-    run = {"gemm": bench_gemm, "crossover": bench_crossover, "accumulation": bench_accumulation}
+    run = {"gemm": bench_gemm, "crossover": bench_crossover, "accumulation": bench_accumulation,
+           "training": bench_training}
     path = None
     for part in parts:
         t0 = time.perf_counter()

@@ -13,7 +13,15 @@ by the memory bandwidth. Every configuration updates GPT-2 small's parameter cou
 * `mpgpt.kernels.adamw16.adamw16_fused`, one launch over one flat buffer, for each variant of
   `mpgpt.optim16` (bytes: `bytes_moved`).
 
-Each time is the median of ``triton.testing.do_bench`` (CUDA events). Prints a table and writes
+Each time is the median of ``triton.testing.do_bench`` (CUDA events).
+
+``--parts training`` adds GPT-2 small (its 50,304-entry output layer kept) trained for 2000 steps
+of 16 x 256 tokens of the course's character-level Markov text with every variant
+(`mpgpt.kernels.adamw16.FusedAdamW16` over the model cast to bf16), from one seed and one batch
+sequence, next to the usual recipe (fp32 weights, bf16 autocast, torch's fused AdamW): loss
+curves, validation loss, ms per step and peak memory (`mpgpt.bench.longrun`).
+
+Prints a table and writes
 optim16_<gpu>_<date>.json into --out-dir (default: the current folder) with the GPU, driver,
 CUDA, torch and triton versions, the date, the command and the commit (mpgpt.results).
 """
@@ -26,7 +34,8 @@ import sys
 import torch
 
 from mpgpt import runtime
-from mpgpt.kernels.adamw16 import adamw16_fused
+from mpgpt.bench.longrun import RunConfig, corpus_dataset, long_run
+from mpgpt.kernels.adamw16 import FusedAdamW16, adamw16_fused
 from mpgpt.model import GPT, GPTConfig
 from mpgpt.optim16 import VARIANTS, bytes_per_param, coefficients, new_state, step_seed
 from mpgpt.results import check_tag, write_result
@@ -110,6 +119,39 @@ def bench_optimizers(variants, preset="gpt2") -> list[dict]:
     return rows
 
 
+PARTS = ("step", "training")
+
+
+def bench_training(variants, preset="gpt2", cfg=None, n_chars: int = 12_000_000, device="cuda") -> dict:
+    """Train the preset once per variant (and once the usual mixed-precision way, "torch-amp")."""
+    cfg = cfg or RunConfig()
+    dataset = corpus_dataset(n_chars)
+    out = {}
+    for name in ["torch-amp", *variants]:
+        torch.manual_seed(cfg.seed)
+        model = GPT(GPTConfig.preset(preset, block_size=cfg.block_size)).to(device)
+        hyper = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+        if name == "torch-amp":
+            opt = torch.optim.AdamW(model.parameters(), fused=torch.device(device).type == "cuda", **hyper)
+            autocast = torch.bfloat16
+        else:
+            model = model.to(torch.bfloat16)
+            opt = FusedAdamW16(model.parameters(), variant=name, seed=cfg.seed, **hyper)
+            autocast = None
+        try:
+            res = long_run(model, opt, dataset, cfg, device=device, autocast_dtype=autocast)
+            print(f"training {name:>16}: final val {res['val_loss'][-1][1]:.4f}, {res['ms_per_step']:.2f} ms/step, "
+                  f"{res['tokens_per_s']:,.0f} tokens/s, peak {res['peak_gib'] or 0:.2f} GiB", flush=True)
+        except Exception as exc:  # noqa: BLE001 - a diverged or failed variant is a result too
+            res = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+            print(f"training {name:>16}: {res['error']}", flush=True)
+        out[name] = res
+        del model, opt
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m mpgpt.bench optim16", description=__doc__.split("\n\n")[0])
@@ -117,7 +159,12 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", default="gpt2", help="model size whose parameter count is updated (default gpt2)")
     parser.add_argument("--out-dir", default=".", help="where the JSON result goes (default: the current folder)")
     parser.add_argument("--tag", default=None, type=check_tag, help="appended to the file name")
+    parser.add_argument("--parts", default="step", help=f"comma-separated, from: {', '.join(PARTS)} (default: step)")
     args = parser.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    if not parts or any(p not in PARTS for p in parts):
+        print(f"python -m mpgpt.bench optim16: error: --parts takes {', '.join(PARTS)}", file=sys.stderr)
+        return 2
     variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -137,9 +184,13 @@ def main(argv=None) -> int:
     n = sum(torch.Size(s).numel() for s in shapes)
     print(f"{runtime.device_name('cuda')} | torch {torch.__version__} | {n:,} parameters in {len(shapes)} tensors",
           flush=True)
-    rows = bench_optimizers(variants, args.preset)
-    path = write_result("optim16", {"preset": args.preset, "parameters": n, "tensors": len(shapes), "rows": rows},
-                        args.out_dir, tag=args.tag, command=command)
+    result = {"preset": args.preset, "parameters": n, "tensors": len(shapes)}
+    if "step" in parts:
+        result["rows"] = bench_optimizers(variants, args.preset)
+        path = write_result("optim16", result, args.out_dir, tag=args.tag, command=command)
+    if "training" in parts:
+        result["training"] = bench_training(variants, args.preset)
+        path = write_result("optim16", result, args.out_dir, tag=args.tag, command=command)
     print(f"wrote {path}")
     return 0
 

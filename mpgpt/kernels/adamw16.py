@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from mpgpt.optim16 import VARIANTS, Coefficients
+from mpgpt.optim16 import VARIANTS, AdamW16, Coefficients, coefficients, step_seed
 
 from . import env as kenv
 from .env import tl, triton
 
-__all__ = ["adamw16_fused", "WEIGHT_CODES", "MOMENT_CODES"]
+__all__ = ["adamw16_fused", "FusedAdamW16", "WEIGHT_CODES", "MOMENT_CODES"]
 
 WEIGHT_CODES = {"fp32-master": 0, "nearest": 1, "stochastic": 2, "kahan": 3, "mantissa": 4}
 MOMENT_CODES = {"fp32": 0, "nearest": 1, "stochastic": 2}
@@ -159,3 +159,38 @@ def adamw16_fused(w: torch.Tensor, g: torch.Tensor, state: dict, variant: str, c
         WEIGHTS=WEIGHT_CODES[v.weights], MOMENTS=MOMENT_CODES[v.moments], GRAD_BF16=g.dtype == torch.bfloat16,
         BLOCK=block, **({} if kenv.interpreting() else {"enable_fp_fusion": False}),
     )
+
+
+class FusedAdamW16(AdamW16):
+    """`mpgpt.optim16.AdamW16` whose step runs `adamw16_fused`, one launch per parameter.
+
+    Each parameter's state is a slice of the group's flat state and keeps its flat offset, so the
+    random bits and therefore the result are the ones AdamW16 computes over the flat group, bit
+    for bit; and nothing is concatenated or copied per step (AdamW16 on the CPU concatenates the
+    group). The parameters must be bf16 tensors (the model cast with ``model.to(torch.bfloat16)``)."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.bfloat16 or not p.is_contiguous():
+                    raise TypeError(f"FusedAdamW16 updates contiguous bf16 parameters, got a {p.dtype} one: cast the "
+                                    "model with model.to(torch.bfloat16), or use mpgpt.optim16.AdamW16")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.steps += 1
+        key = step_seed(self.seed, self.steps)
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            c = coefficients(group["lr"], b1, b2, group["eps"], group["weight_decay"], self.steps)
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    adamw16_fused(p.view(-1), p.grad.contiguous().view(-1), state, self.variant, c, key,
+                                  state["offset"])
+        return loss
