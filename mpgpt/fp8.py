@@ -234,7 +234,9 @@ def scaled_matmul(a: ScaledFp8, b: ScaledFp8, out_dtype=torch.float32, backend: 
     scale_a = a.scale.expand(a.data.shape[0], 1).contiguous() if rowwise else a.scale
     scale_b = b.scale.expand(b.data.shape[0], 1).t().contiguous() if rowwise else b.scale  # (1, N)
     mm_dtype = torch.bfloat16 if rowwise else out_dtype                        # rowwise wants bf16 output
-    out = torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=mm_dtype,
+    # cuBLASLt multiplies only a row-major a by a column-major b: the backward pass's transposed
+    # operands (g.T, x.T, w.T) arrive as strided views and are copied into that layout (1 byte each)
+    out = torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=scale_a, scale_b=scale_b, out_dtype=mm_dtype,
                            use_fast_accum=use_fast_accum)
     return out.to(out_dtype)
 

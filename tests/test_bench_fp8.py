@@ -103,3 +103,9 @@ def test_the_training_part_converts_the_named_layers_and_shares_parameters():
     assert {id(p) for p in model.parameters()} == before        # the same tensors, not copies
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert bfp8.to_fp8(GPT(GPTConfig.preset("tiny")), ("lm_head",)) == ["lm_head"]
+
+
+def test_unknown_training_runs_are_refused_up_front(capsys):
+    with pytest.raises(SystemExit):
+        bfp8.main(["--parts", "training", "--train-runs", "bf16,fp4"])
+    assert "--train-runs takes names from" in capsys.readouterr().err

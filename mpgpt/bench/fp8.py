@@ -312,7 +312,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", default=".", help="where the JSON result goes (default: the current folder)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from: {', '.join(PARTS)}")
     parser.add_argument("--tag", default=None, type=check_tag, help="appended to the file name")
+    parser.add_argument("--train-runs", default=",".join(TRAIN_RUNS),
+                        help=f"the training part's runs, comma-separated, from: {', '.join(TRAIN_RUNS)}")
     args = parser.parse_args(argv)
+    train_runs = [r for r in args.train_runs.split(",") if r]
+    if not train_runs or any(r not in TRAIN_RUNS for r in train_runs):
+        parser.error(f"--train-runs takes names from: {', '.join(TRAIN_RUNS)}")
     parts = [p for p in args.parts.split(",") if p]
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
@@ -330,7 +335,7 @@ def main(argv=None) -> int:
           flush=True)
     result = {"tokens": TOKENS, "layer_recipes": list(LAYER_RECIPES)}
     run = {"gemm": bench_gemm, "crossover": bench_crossover, "accumulation": bench_accumulation,
-           "training": bench_training}
+           "training": lambda: bench_training({r: TRAIN_RUNS[r] for r in train_runs})}
     path = None
     for part in parts:
         t0 = time.perf_counter()

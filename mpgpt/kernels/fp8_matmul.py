@@ -24,7 +24,9 @@ b is read through its strides as the (K, N) view b.T: K is then the contiguous d
 operands' tiles, the layout fp8 tensor cores want (torch._scaled_mm asks for the same thing by
 requiring a column-major second operand).
 
-Where it runs: compiled on sm_89 (Ada, L4) and sm_90 (Hopper), the GPUs with fp8 tensor cores;
+Where it runs: compiled on sm_89 (Ada, L4) and sm_90 (Hopper), the GPUs with fp8 tensor cores
+(on sm_90 a second kernel, fp8_matmul_tma_kernel, makes the same product with TMA loads on a
+persistent grid, the way tma.py does for bf16);
 in Triton's CPU interpreter for learning and tests. The interpreter loads fp8 correctly but its
 fp32 -> fp8 conversion rounds wrongly when rounding carries into the next power of two (seen with
 Triton 3.9: 31.9 became 16), so there the kernel upcasts the tiles to fp32, stores the scaled fp32
@@ -40,6 +42,7 @@ from mpgpt.fp8 import E4M3, E5M2, ScaledFp8
 from . import env
 from .env import tl, triton
 from .epilogue import tile_coords
+from .tma import set_allocator
 
 FP8_DTYPES = {torch.float8_e4m3fn: E4M3, torch.float8_e5m2: E5M2}
 
@@ -122,6 +125,86 @@ fp8_matmul_autotuned = triton.autotune(configs=CONFIGS, key=["M", "N", "K", "ROW
     fp8_matmul_kernel) if env.TRITON_IMPORT_ERROR is None else fp8_matmul_kernel
 
 
+# ----------------------------------------------------------------------------------------------
+# Hopper (sm_90): the same product with TMA loads and a persistent grid (tma.py explains both).
+# The pointer kernel above reaches about half of cuBLAS's fp8 rate on an H200: at fp8's rate the
+# loads must be issued by the copy engine and overlap the MMAs, or the tensor cores wait.
+# ----------------------------------------------------------------------------------------------
+def _tma_cfg(bm, bn, bk, stages, warps, ws=False):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "WARP_SPECIALIZE": ws},
+                         num_stages=stages, num_warps=warps)
+
+
+TMA_CONFIGS = [
+    _tma_cfg(128, 256, 128, 3, 8),
+    _tma_cfg(128, 256, 128, 4, 8),
+    _tma_cfg(128, 256, 128, 3, 8, ws=True),
+    _tma_cfg(128, 128, 128, 4, 8),
+    _tma_cfg(128, 128, 128, 4, 4, ws=True),
+]
+
+
+@triton.jit
+def fp8_matmul_tma_kernel(
+    a_ptr, b_ptr, c_ptr, scale_a_ptr, scale_b_ptr, out_scale_ptr, amax_ptr,   # as fp8_matmul_kernel
+    M, N, K, stride_am, stride_bn, stride_cm, stride_cn,
+    OUT_MAX: tl.constexpr, ROWWISE: tl.constexpr, OUT_FP8: tl.constexpr, PROMOTE: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    # a (M, K) and b (N, K) both row-major: K is contiguous in both tiles, as fp8 wgmma wants
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, BLOCK_K])
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_tiles = num_pid_m * num_pid_n
+    tile_id_c = tl.program_id(0) - NUM_SMS      # the epilogue's own tile counter (see tma.py)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])                  # (BLOCK_M, BLOCK_K)
+            b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]).T                # (BLOCK_N, BLOCK_K) -> (BLOCK_K, BLOCK_N)
+            if PROMOTE:
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(a, b, acc)
+        tile_id_c += NUM_SMS
+        pid_m, pid_n = tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if ROWWISE:
+            sa = tl.load(scale_a_ptr + rm, mask=rm < M, other=0.0)
+            sb = tl.load(scale_b_ptr + rn, mask=rn < N, other=0.0)
+            acc = acc * sa[:, None] * sb[None, :]
+        else:
+            acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+        if OUT_FP8:
+            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(mask, tl.abs(acc), 0.0), axis=1), axis=0))
+            y = tl.clamp(acc * tl.load(out_scale_ptr), -OUT_MAX, OUT_MAX)
+            tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+fp8_matmul_tma_autotuned = triton.autotune(configs=TMA_CONFIGS, key=["M", "N", "K", "ROWWISE", "OUT_FP8", "PROMOTE"])(
+    fp8_matmul_tma_kernel) if env.TRITON_IMPORT_ERROR is None else fp8_matmul_tma_kernel
+
+
+def tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the TMA kernel can run a @ b.T here: sm_90, both operands row-major with 16-byte
+    aligned bases and row pitches (K a multiple of 16), every dimension at least 16."""
+    if a.device.type != "cuda" or env.interpreting() or env.capability(a.device) < (9, 0):
+        return False
+    if min(a.shape[0], b.shape[0], a.shape[1]) < 16:
+        return False
+    return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b))
+
+
 def _scale_vector(scale: torch.Tensor, rows: int, name: str) -> tuple[torch.Tensor, bool]:
     """A dequantisation scale as the kernel reads it: (1,) tensorwise or (rows,) rowwise, fp32."""
     scale = torch.as_tensor(scale, dtype=torch.float32)
@@ -181,15 +264,23 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out_dtype=tor
     sa, sb = sa.to(a.device), sb.to(a.device)
     args = (a, b, c, sa, sb, out_scale_t, amax, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
             c.stride(0), c.stride(1))
-    flags = dict(OUT_MAX=out_max, ROWWISE=rowwise, OUT_FP8=out_fp8, PROMOTE=promote, UPCAST=upcast)
+    flags = dict(OUT_MAX=out_max, ROWWISE=rowwise, OUT_FP8=out_fp8, PROMOTE=promote)
     if upcast:
         grid = (triton.cdiv(M, INTERPRETER_TILE["BLOCK_M"]) * triton.cdiv(N, INTERPRETER_TILE["BLOCK_N"]),)
-        fp8_matmul_kernel[grid](*args, **flags, **INTERPRETER_TILE)
+        fp8_matmul_kernel[grid](*args, **flags, UPCAST=True, **INTERPRETER_TILE)
         c = c.to(out_dtype)  # torch's cast rounds to nearest even (values are already clamped)
+    elif tma_ok(a, b):
+        num_sms = env.num_sms(a.device)
+        set_allocator()   # device-built descriptors need scratch memory
+
+        def grid(meta):   # persistent: one program per multiprocessor, never more than the tiles
+            return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+        fp8_matmul_tma_autotuned[grid](a, b, c, sa, sb, out_scale_t, amax, M, N, K, a.stride(0), b.stride(0),
+                                       c.stride(0), c.stride(1), NUM_SMS=num_sms, **flags)
     else:
         def grid(meta):
             return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-        fp8_matmul_autotuned[grid](*args, **flags)
+        fp8_matmul_autotuned[grid](*args, **flags, UPCAST=False)
     return (c, amax) if out_fp8 else c
 
 

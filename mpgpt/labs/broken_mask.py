@@ -23,7 +23,7 @@ PAD = 0
 def attend(q, k, v, keep):
     """softmax(q k^T / sqrt(d) + mask) v. q, k, v: (B, T, d); keep: (B, T, T) bool, True = may attend."""
     scores = q @ k.transpose(1, 2) / math.sqrt(q.size(-1))   # (B, T, T)
-    mask = torch.zeros(keep.shape).masked_fill(~keep, -1e9)  # additive mask: 0 or a large negative number
+    mask = torch.zeros(keep.shape, device=keep.device).masked_fill(~keep, -1e9)  # additive mask: 0 or a large negative number
     scores = scores + mask.to(scores.dtype)
     return torch.softmax(scores, dim=-1).to(v.dtype) @ v     # (B, T, d)
 
