@@ -1,0 +1,218 @@
+"""The fused linear + cross-entropy (mpgpt.kernels.cross_entropy) against float64 references.
+
+Without a GPU the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set by mpgpt), so the
+sizes are small. The tolerances are derived from the rounding the fused path does, not tuned:
+u is the compute dtype's unit roundoff (half its epsilon: 2^-8 bf16, 2^-11 fp16, 2^-24 fp32), and
+
+* the logits: x and W are rounded to the compute dtype (the bound takes that rounding as it
+  happened, from the rounded copies), the products summed in fp32 (at most C * 2^-24 of
+  sum |x||w|), the sum rounded once more (u);
+* the loss of a row, lse - z_t, moves by at most max_j |dz_j| + |dz_t| (logsumexp is 1-Lipschitz
+  in the max norm);
+* a softmax entry moves by at most p (exp(2 max|dz|) - 1), g = softmax - onehot is rounded once
+  (u |g|), and the two gradient GEMMs add the rounding of W or x (u) and fp32 summation.
+
+Each element of each gradient is checked against its own bound, and each bound is checked to be
+small against the gradient itself, so the test would catch a wrong scale, sign or index.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mpgpt.kernels import cross_entropy as ce
+from mpgpt.kernels.cross_entropy import cross_entropy_rows_, fused_linear_cross_entropy, linear_cross_entropy_op
+from mpgpt.model import GPT, GPTConfig
+
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+FP32_SUM = 2.0**-24  # relative error per term of an fp32 sum
+
+
+def _inputs(N=29, C=24, V=301):
+    """Logits of order 1 (std ~1); V = 301 is 2 blocks of 128 and a masked 45 in the interpreter;
+    every 4th row is ignored."""
+    x = (torch.randn(N, C) * 0.5).requires_grad_(True)
+    w = (torch.randn(V, C) * 0.4).requires_grad_(True)
+    t = torch.randint(0, V, (N,))
+    t[::4] = -1
+    return x, w, t
+
+
+def _reference_and_bounds(x, w, t, dtype, grad_out):
+    """float64 loss and gradients of grad_out * mean CE(x @ w.T, t), and elementwise error bounds."""
+    u = UNIT_ROUNDOFF[dtype]
+    N, C = x.shape
+    V = w.shape[0]
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    z = x64 @ w64.t()                                              # (N, V)
+    ref = F.cross_entropy(z, t, ignore_index=-1)
+    rx, rw = torch.autograd.grad(ref * grad_out, (x64, w64))
+    z, x64, w64 = z.detach(), x64.detach(), w64.detach()
+    valid = (t != -1)
+    n_valid = valid.sum().item()
+
+    xq, wq = x.detach().to(dtype).double(), w.detach().to(dtype).double()  # what the matmul multiplies
+    A = xq.abs() @ wq.abs().t()                                    # sum_k |x_ik| |w_jk|, (N, V)
+    e = (xq - x64).abs() @ w64.abs().t() + xq.abs() @ (wq - w64).abs().t()  # the inputs' rounding, exactly
+    e = e + C * FP32_SUM * A                                       # ... the fp32 sum
+    e = e + u * (z.abs() + e)                                      # ... the logits' rounding: per-logit bound (N, V)
+    E = e.max(dim=1).values                                        # (N,)
+    tt = t.clamp_min(0)
+    lse = torch.logsumexp(z, dim=1)
+    row = E + e.gather(1, tt[:, None])[:, 0] + 1e-6 * (lse.abs() + 1)  # + the kernel's fp32 exp/log/sum
+    loss_bound = (row * valid).sum().item() / n_valid
+
+    p = torch.softmax(z, dim=1)
+    g = p - F.one_hot(tt, V).double()
+    D = p * (torch.exp(2 * E)[:, None] - 1) + 1e-6 * p              # softmax entries
+    D = (D + u * (g.abs() + D)) * valid[:, None]                    # ... and g's rounding, (N, V)
+    G = (g.abs() + D) * valid[:, None]
+    scale = abs(grad_out) / n_valid
+    # g' @ wq - g @ w = (g' - g) @ wq + g @ (wq - w), summed in fp32; likewise g'^T @ xq - g^T @ x.
+    bx = (D @ wq.abs() + G @ (wq - w64).abs() + V * FP32_SUM * G @ wq.abs()) * scale * (1 + 1e-6)  # (N, C)
+    bw = (D.t() @ xq.abs() + G.t() @ (xq - x64).abs() + N * FP32_SUM * G.t() @ xq.abs()) * scale * (1 + 1e-6)
+    return ref.item(), rx, rw, loss_bound, bx, bw
+
+
+def _assert_within(got, ref, bound, name, max_relative_bound):
+    err = (got.double() - ref).abs()
+    worst = (err / bound.clamp_min(1e-300)).max().item()
+    assert worst <= 1.0, f"{name}: an element is {worst:.2f}x its rounding bound"
+    # The bound must be small next to the gradient, or this check says nothing.
+    assert bound.norm() <= max_relative_bound * ref.norm(), f"{name}: bound {bound.norm():.3g} vs {ref.norm():.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_loss_and_gradients_match_float64_within_the_rounding_bound(dtype):
+    x, w, t = _inputs()
+    grad_out = 3.0  # an upstream gradient other than 1, as a loss scale gives
+    ref, rx, rw, loss_bound, bx, bw = _reference_and_bounds(x, w, t, dtype, grad_out)
+    if dtype is torch.float32:
+        out = fused_linear_cross_entropy(x, w, t)
+    else:
+        with torch.autocast("cpu", dtype=dtype):
+            out = fused_linear_cross_entropy(x, w, t)
+    gx, gw = torch.autograd.grad(out * grad_out, (x, w))
+    assert out.dtype is torch.float32 and gx.dtype is torch.float32 and gw.dtype is torch.float32
+    assert abs(out.item() - ref) <= loss_bound, (out.item(), ref, loss_bound)
+    assert loss_bound < 0.05 * ref
+    _assert_within(gx, rx, bx, "grad_x", 0.1)
+    _assert_within(gw, rw, bw, "grad_w", 0.1)
+    assert torch.all(gx[t == -1] == 0)  # ignored rows pass no gradient
+
+
+@pytest.mark.parametrize("V", [50, 256, 301])  # below one block, exactly two blocks, a masked tail
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_kernel_overwrites_the_logits_with_softmax_minus_onehot(V, dtype):
+    N = 9
+    logits = (torch.randn(N, V) * 3).to(dtype)
+    t = torch.randint(0, V, (N,))
+    t[2] = -1
+    z = logits.double()
+    ref_loss = F.cross_entropy(z, t, ignore_index=-1, reduction="none")
+    ref_g = (torch.softmax(z, 1) - F.one_hot(t.clamp_min(0), V).double()) * (t != -1)[:, None]
+    loss = cross_entropy_rows_(logits, t)
+    assert loss.dtype is torch.float32 and logits.dtype is dtype
+    # Exact inputs: only the kernel's fp32 arithmetic (a few 2^-24 relative, V terms) and g's rounding.
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=V * 2.0**-24, atol=1e-5)
+    assert loss[2] == 0 and torch.all(logits[2] == 0)
+    u = UNIT_ROUNDOFF[dtype]
+    err = (logits.double() - ref_g).abs()
+    # p - 1 at the target cancels: p's fp32 error (a few 2^-24 absolute near 1) stays absolute.
+    assert torch.all(err <= u * ref_g.abs() + 1e-5 * ref_g.abs() + 2.0**-22), err.max()
+
+
+def test_a_target_outside_the_vocabulary_gives_a_nan_loss_not_a_wild_read():
+    logits = torch.randn(3, 40).to(torch.bfloat16)
+    loss = cross_entropy_rows_(logits, torch.tensor([1, 40, -1]), write_grad=False)
+    assert torch.isfinite(loss[0]) and torch.isnan(loss[1]) and loss[2] == 0
+
+
+def test_without_grad_only_the_loss_is_computed(monkeypatch):
+    x, w, t = _inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        train = fused_linear_cross_entropy(x, w, t)
+
+        def no_gemm(a, b):
+            raise AssertionError("a gradient GEMM ran in evaluation")
+
+        monkeypatch.setattr(ce, "_mm_fp32", no_gemm)
+        with torch.no_grad():
+            evaluation = fused_linear_cross_entropy(x, w, t)
+    assert not evaluation.requires_grad
+    assert evaluation.item() == train.item()  # the same logits, the same pass 1
+    loss_sum, gx, gw = linear_cross_entropy_op(x.detach().bfloat16(), w.detach().bfloat16(), t, False)
+    assert gx.numel() == 0 and gw.numel() == 0
+    assert abs(loss_sum.item() / (t != -1).sum().item() - train.item()) < 1e-5 * train.item()
+
+
+def test_the_operator_passes_opcheck():
+    x, w, t = _inputs(N=6, C=8, V=70)
+    for compute_grad in (True, False):
+        torch.library.opcheck(linear_cross_entropy_op, (x.detach().bfloat16(), w.detach().bfloat16(), t, compute_grad))
+
+
+def test_it_compiles_in_one_graph_and_matches_eager_exactly():
+    """Backend aot_eager: Dynamo and AOTAutograd trace as for inductor, then the graph runs op by op
+    on the CPU; the custom operator is one opaque node, so there is no graph break."""
+    x, w, t = _inputs(N=12, C=16, V=140)
+
+    def loss_fn(x, w):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return fused_linear_cross_entropy(x, w, t)
+
+    explained = torch._dynamo.explain(loss_fn)(x, w)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    results = []
+    for fn in (loss_fn, torch.compile(loss_fn, backend="aot_eager", fullgraph=True)):
+        loss = fn(x, w)
+        results.append([loss.detach(), *torch.autograd.grad(loss, (x, w))])
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)
+
+
+def test_the_model_option_gives_the_default_loss_and_gradients():
+    cfg = GPTConfig.preset("tiny", vocab_size=150, n_layer=1, n_embd=32, n_head=2, block_size=16)
+    model = GPT(cfg)
+    idx, tgt = torch.randint(0, 150, (2, 16)), torch.randint(0, 150, (2, 16))
+    tgt[0, :3] = -1
+    logits, loss = model(idx, tgt)
+    loss.backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits2, loss2 = model.set_fused_loss()(idx, tgt)
+    loss2.backward()
+    assert logits is not None and logits2 is None
+    # fp32 throughout: the two differ only in summation order (fp32, 150-term softmax sums).
+    torch.testing.assert_close(loss2, loss, rtol=1e-6, atol=1e-6)
+    for g, p in zip(ref, model.parameters()):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)
+    # The options exclude each other, and switching off restores the full logits.
+    assert model.set_chunked_loss(8).fused_loss is None
+    assert model.set_fused_loss().loss_chunk_rows == 0
+    assert model.set_fused_loss(False)(idx, tgt)[0] is not None
+
+
+def test_without_triton_the_model_option_refuses_at_once(monkeypatch):
+    import mpgpt.kernels
+
+    why = "Triton is not installed (ImportError: no module named triton); it supports Linux only."
+    monkeypatch.setattr(mpgpt.kernels, "kernels_available", lambda: (False, why))
+    model = GPT(GPTConfig.preset("tiny", n_layer=1))
+    with pytest.raises(RuntimeError, match="set_fused_loss needs Triton") as info:
+        model.set_fused_loss()
+    assert "\n" not in str(info.value) and model.fused_loss is None
+    monkeypatch.setattr(ce.env, "TRITON_IMPORT_ERROR", why)
+    x, w, t = _inputs(N=4, C=8, V=20)
+    with pytest.raises(RuntimeError, match="needs Triton"):
+        fused_linear_cross_entropy(x, w, t)
+
+
+def test_bad_inputs_are_refused():
+    x, w, t = _inputs(N=5, C=8, V=20)
+    with pytest.raises(ValueError, match="expected x"):
+        fused_linear_cross_entropy(x, w[:, :3], t)
+    with pytest.raises(ValueError, match="int64"):
+        cross_entropy_rows_(torch.randn(5, 20), t.int())
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        cross_entropy_rows_(torch.randn(5, 20, dtype=torch.float64), t)
