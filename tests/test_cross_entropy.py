@@ -216,3 +216,24 @@ def test_bad_inputs_are_refused():
         cross_entropy_rows_(torch.randn(5, 20), t.int())
     with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
         cross_entropy_rows_(torch.randn(5, 20, dtype=torch.float64), t)
+
+
+def test_the_benchmark_configurations_train_with_the_fused_loss():
+    """The CPU part of `python -m mpgpt.bench train --configs ...fused-ce`: the trainer is built with
+    the fused loss on, and its step trains. compile=False here: Inductor on two CPU cores takes
+    about a minute per configuration (the GPU run compiles as usual)."""
+    from mpgpt.bench import ddp, training
+
+    plain, nobias = training.TRAIN_CONFIGS["bf16+compile"], training.TRAIN_CONFIGS["bf16+compile-nobias"]
+    assert training.TRAIN_CONFIGS["bf16+compile+fused-ce"] == {**plain, "fused_loss": True}
+    assert training.TRAIN_CONFIGS["bf16+compile-nobias+fused-ce"] == {**nobias, "fused_loss": True}
+    name = "bf16+compile+fused-ce"
+    trainer = training.make_trainer(name, preset="tiny", batch_size=2, block_size=16, device="cpu", compile=False)
+    assert trainer.model.fused_loss is not None and trainer.model.loss_chunk_rows == 0
+    before = trainer.model.lm_head.weight.detach().clone()
+    loss, _, _ = trainer.train_step()
+    assert torch.isfinite(loss) and 4.0 < loss.item() < 7.0  # ln(256) = 5.55 at initialisation
+    assert not torch.equal(trainer.model.lm_head.weight, before)
+    for name in ("bf16+compile+fused-ce", "bf16+compile-nobias+fused-ce"):
+        with pytest.raises(ValueError, match="fused_loss"):
+            ddp.check_supported(name)
