@@ -125,11 +125,18 @@ def cross_entropy_rows_(logits: Tensor, targets: Tensor, write_grad: bool = True
     return loss
 
 
+# torch.mm(a, b, out_dtype=torch.float32) on 16-bit CUDA inputs: the aten::mm.dtype overload (torch >= 2.8).
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+
+
 def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b with fp32 output: on CUDA cuBLAS writes fp32 straight from its fp32 accumulator
-    (torch.mm's out_dtype); elsewhere the 16-bit inputs are upcast (their products are exact in fp32)."""
+    """a @ b with fp32 output. On CUDA cuBLAS writes fp32 straight from its fp32 accumulator
+    (torch.mm's out_dtype; an older torch rounds the product to 16 bits first, as nn.Linear's
+    backward does). Elsewhere the 16-bit inputs are upcast: their products are exact in fp32."""
     if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(a, b, out_dtype=torch.float32)
+        if _MM_OUT_DTYPE:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.mm(a, b).float()
     return torch.mm(a.float(), b.float())
 
 
