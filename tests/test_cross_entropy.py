@@ -24,11 +24,14 @@ from mpgpt.kernels import cross_entropy as ce
 from mpgpt.kernels.cross_entropy import cross_entropy_rows_, fused_linear_cross_entropy, linear_cross_entropy_op
 from mpgpt.model import GPT, GPTConfig
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter without a GPU
+# bf16 where the kernels have it (the CPU interpreter, sm_80 and later); fp16 on a T4.
+LOW = torch.bfloat16 if DEVICE == "cpu" or runtime.capability() >= (8, 0) else torch.float16
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 FP32_SUM = 2.0**-24  # relative error per term of an fp32 sum
 
 
-def _inputs(N=29, C=24, V=301, device="cpu"):
+def _inputs(N=29, C=24, V=301, device=DEVICE):
     """Logits of order 1 (std ~1); V = 301 is 2 blocks of 128 and a masked 45 in the interpreter;
     every 4th row is ignored."""
     x = (torch.randn(N, C, device=device) * 0.5).requires_grad_(True)
@@ -83,6 +86,19 @@ def _assert_within(got, ref, bound, name, max_relative_bound):
 
 
 def _check_against_float64(x, w, t, dtype):
+    if x.is_cuda and dtype is torch.bfloat16 and runtime.capability() < (8, 0):
+        pytest.skip("bf16 Triton kernels need compute capability >= 8.0")
+    # cuBLAS may round split-K partial sums to 16 bits unless told not to; the bound does not count that.
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = matmul.allow_fp16_reduced_precision_reduction = False
+    try:
+        _check_bounds(x, w, t, dtype)
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
+
+
+def _check_bounds(x, w, t, dtype):
     grad_out = 3.0  # an upstream gradient other than 1, as a loss scale gives
     ref, rx, rw, loss_bound, bx, bw = _reference_and_bounds(x, w, t, dtype, grad_out)
     with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not torch.float32):
@@ -103,25 +119,22 @@ def test_loss_and_gradients_match_float64_within_the_rounding_bound(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=pytest.mark.sm80), torch.float16])
-def test_on_the_gpu_at_gpt2_size(dtype, monkeypatch):
+def test_on_the_gpu_at_gpt2_size(dtype):
     """The compiled kernel (4096-wide blocks, in place) and cuBLAS's fp32-output GEMMs, at GPT-2's
-    width and vocabulary. cuBLAS may round split-K partial sums to 16 bits unless told not to,
-    which the bound above does not count: turned off here."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction", False)
-    _check_against_float64(*_inputs(N=1024, C=768, V=50304, device="cuda"), dtype)
+    width and vocabulary."""
+    _check_against_float64(*_inputs(N=1024, C=768, V=50304), dtype)
 
 
-# Interpreter blocks are 128 wide: below one block, exactly two, a masked tail; GPU blocks are 4096.
-@pytest.mark.parametrize("V,device", [(50, "cpu"), (256, "cpu"), (301, "cpu"),
-                                      pytest.param(50304, "cuda", marks=pytest.mark.gpu)])
+# Interpreter blocks are 128 wide: below one block, exactly two, a masked tail. GPU blocks are 4096
+# wide: GPT-2's vocabulary is 12 of them and a masked 1152 (too slow for the interpreter).
+@pytest.mark.parametrize("V", [50, 256, 301, pytest.param(50304, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_kernel_overwrites_the_logits_with_softmax_minus_onehot(V, device, dtype):
-    if device == "cuda" and dtype is torch.bfloat16 and runtime.capability() < (8, 0):
+def test_the_kernel_overwrites_the_logits_with_softmax_minus_onehot(V, dtype):
+    if DEVICE == "cuda" and dtype is torch.bfloat16 and runtime.capability() < (8, 0):
         pytest.skip("bf16 Triton kernels need compute capability >= 8.0")
     N = 9
-    logits = (torch.randn(N, V, device=device) * 3).to(dtype)
-    t = torch.randint(0, V, (N,), device=device)
+    logits = (torch.randn(N, V, device=DEVICE) * 3).to(dtype)
+    t = torch.randint(0, V, (N,), device=DEVICE)
     t[2] = -1
     z = logits.double()
     ref_loss = F.cross_entropy(z, t, ignore_index=-1, reduction="none")
@@ -138,14 +151,14 @@ def test_the_kernel_overwrites_the_logits_with_softmax_minus_onehot(V, device, d
 
 
 def test_a_target_outside_the_vocabulary_gives_a_nan_loss_not_a_wild_read():
-    logits = torch.randn(3, 40).to(torch.bfloat16)
-    loss = cross_entropy_rows_(logits, torch.tensor([1, 40, -1]), write_grad=False)
+    logits = torch.randn(3, 40, device=DEVICE).to(LOW)
+    loss = cross_entropy_rows_(logits, torch.tensor([1, 40, -1], device=DEVICE), write_grad=False)
     assert torch.isfinite(loss[0]) and torch.isnan(loss[1]) and loss[2] == 0
 
 
 def test_without_grad_only_the_loss_is_computed(monkeypatch):
     x, w, t = _inputs()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE, dtype=LOW):
         train = fused_linear_cross_entropy(x, w, t)
 
         def no_gemm(a, b):
@@ -156,7 +169,7 @@ def test_without_grad_only_the_loss_is_computed(monkeypatch):
             evaluation = fused_linear_cross_entropy(x, w, t)
     assert not evaluation.requires_grad
     assert evaluation.item() == train.item()  # the same logits, the same pass 1
-    loss_sum, gx, gw = linear_cross_entropy_op(x.detach().bfloat16(), w.detach().bfloat16(), t, False)
+    loss_sum, gx, gw = linear_cross_entropy_op(x.detach().to(LOW), w.detach().to(LOW), t, False)
     assert gx.numel() == 0 and gw.numel() == 0
     assert abs(loss_sum.item() / (t != -1).sum().item() - train.item()) < 1e-5 * train.item()
 
@@ -164,16 +177,16 @@ def test_without_grad_only_the_loss_is_computed(monkeypatch):
 def test_the_operator_passes_opcheck():
     x, w, t = _inputs(N=6, C=8, V=70)
     for compute_grad in (True, False):
-        torch.library.opcheck(linear_cross_entropy_op, (x.detach().bfloat16(), w.detach().bfloat16(), t, compute_grad))
+        torch.library.opcheck(linear_cross_entropy_op, (x.detach().to(LOW), w.detach().to(LOW), t, compute_grad))
 
 
 def test_it_compiles_in_one_graph_and_matches_eager_exactly():
     """Backend aot_eager: Dynamo and AOTAutograd trace as for inductor, then the graph runs op by op
-    on the CPU; the custom operator is one opaque node, so there is no graph break."""
+    (also on a CPU); the custom operator is one opaque node, so there is no graph break."""
     x, w, t = _inputs(N=12, C=16, V=140)
 
     def loss_fn(x, w):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE, dtype=LOW):
             return fused_linear_cross_entropy(x, w, t)
 
     explained = torch._dynamo.explain(loss_fn)(x, w)
@@ -189,8 +202,8 @@ def test_it_compiles_in_one_graph_and_matches_eager_exactly():
 
 def test_the_model_option_gives_the_default_loss_and_gradients():
     cfg = GPTConfig.preset("tiny", vocab_size=150, n_layer=1, n_embd=32, n_head=2, block_size=16)
-    model = GPT(cfg)
-    idx, tgt = torch.randint(0, 150, (2, 16)), torch.randint(0, 150, (2, 16))
+    model = GPT(cfg).to(DEVICE)
+    idx, tgt = torch.randint(0, 150, (2, 16), device=DEVICE), torch.randint(0, 150, (2, 16), device=DEVICE)
     tgt[0, :3] = -1
     logits, loss = model(idx, tgt)
     loss.backward()
@@ -229,22 +242,23 @@ def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="expected x"):
         fused_linear_cross_entropy(x, w[:, :3], t)
     with pytest.raises(ValueError, match="int64"):
-        cross_entropy_rows_(torch.randn(5, 20), t.int())
+        cross_entropy_rows_(torch.randn(5, 20, device=DEVICE), t.int())
     with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
-        cross_entropy_rows_(torch.randn(5, 20, dtype=torch.float64), t)
+        cross_entropy_rows_(torch.randn(5, 20, dtype=torch.float64, device=DEVICE), t)
 
 
 def test_the_benchmark_configurations_train_with_the_fused_loss():
     """The CPU part of `python -m mpgpt.bench train --configs ...fused-ce`: the trainer is built with
     the fused loss on, and its step trains. compile=False here: Inductor on two CPU cores takes
-    about a minute per configuration (the GPU run compiles as usual)."""
+    about a minute per configuration (the benchmark on a GPU compiles as usual)."""
     from mpgpt.bench import ddp, training
 
     plain, nobias = training.TRAIN_CONFIGS["bf16+compile"], training.TRAIN_CONFIGS["bf16+compile-nobias"]
     assert training.TRAIN_CONFIGS["bf16+compile+fused-ce"] == {**plain, "fused_loss": True}
     assert training.TRAIN_CONFIGS["bf16+compile-nobias+fused-ce"] == {**nobias, "fused_loss": True}
     name = "bf16+compile+fused-ce"
-    trainer = training.make_trainer(name, preset="tiny", batch_size=2, block_size=16, device="cpu", compile=False)
+    trainer = training.make_trainer(name, preset="tiny", batch_size=2, block_size=16, device=DEVICE,
+                                    compile=False)
     assert trainer.model.fused_loss is not None and trainer.model.loss_chunk_rows == 0
     before = trainer.model.lm_head.weight.detach().clone()
     loss, _, _ = trainer.train_step()
