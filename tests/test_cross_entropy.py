@@ -189,8 +189,18 @@ def test_it_compiles_in_one_graph_and_matches_eager_exactly():
         with torch.autocast(DEVICE, dtype=LOW):
             return fused_linear_cross_entropy(x, w, t)
 
-    explained = torch._dynamo.explain(loss_fn)(x, w)
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    # The whole model with the option on traces in one graph too (what the benchmark compiles).
+    model = GPT(GPTConfig.preset("tiny", vocab_size=150, n_layer=1, n_embd=32, n_head=2, block_size=16))
+    model.to(DEVICE).set_fused_loss()
+    idx = torch.randint(0, 150, (2, 16), device=DEVICE)
+
+    def model_loss(idx):
+        with torch.autocast(DEVICE, dtype=LOW):
+            return model(idx, idx)[1]
+
+    for fn, args in ((loss_fn, (x, w)), (model_loss, (idx,))):
+        explained = torch._dynamo.explain(fn)(*args)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     torch._dynamo.reset()
     results = []
     for fn in (loss_fn, torch.compile(loss_fn, backend="aot_eager", fullgraph=True)):
