@@ -408,11 +408,14 @@ class GPT(nn.Module):
         if not enable:
             self.fused_loss = None
             return self
-        from mpgpt.kernels import kernels_available  # imported here: Triton is optional for chapters 1-5
+        from mpgpt.kernels import env, kernels_available  # imported here: Triton is optional for chapters 1-5
 
         ok, why = kernels_available()
         if not ok:
-            raise RuntimeError(f"set_fused_loss needs Triton's kernels: {why}; use set_chunked_loss or the default loss")
+            if env.TRITON_IMPORT_ERROR is not None:
+                why = "Triton is not installed here (it ships for Linux only)"
+            raise RuntimeError(f"set_fused_loss needs Triton's kernels: {why.rstrip('.')}; "
+                               "use set_chunked_loss or the default loss instead")
         from mpgpt.kernels.cross_entropy import fused_linear_cross_entropy
 
         self.fused_loss = fused_linear_cross_entropy
