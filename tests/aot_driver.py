@@ -52,7 +52,8 @@ def compile_cross_entropy(cc: int, dtype: str) -> dict:
     signature = {"logits_ptr": f"*{dtype}", "grad_ptr": f"*{dtype}", "targets_ptr": "*i64", "loss_ptr": "*fp32",
                  "V": "i32", "stride_l": "i32", "stride_g": "i32", "BLOCK_V": "constexpr", "WRITE_GRAD": "constexpr"}
     constexprs = {"BLOCK_V": cross_entropy._BLOCK_V, "WRITE_GRAD": True}
-    source = triton.compiler.ASTSource(fn=cross_entropy._cross_entropy_kernel, signature=signature, constexprs=constexprs)
+    source = triton.compiler.ASTSource(fn=cross_entropy._cross_entropy_kernel, signature=signature,
+                                       constexprs=constexprs)
     kernel = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=cross_entropy._NUM_WARPS))
     return {"shared": kernel.metadata.shared}
 

@@ -1,9 +1,9 @@
 """The output layer's loss and its gradient in one pass over 16-bit logits (chapter 7's fused-ce rung).
 
 GPT-2's output layer scores 12,288 positions (batch 12 x 1024) against 50,304 tokens: 618M logits,
-1.24 GB in bf16. Written with torch ops and compiled, the loss upcasts them to fp32, reduces them for
-the log-softmax in the forward pass, keeps them for the backward pass, and reads them again there to
-recompute the softmax (1.7-1.8 ms per step on an H200, benchmarks/NOTES-train.md). llm.c's fused
+1.24 GB in bf16. Written with torch ops (``F.cross_entropy(logits.float(), ...)``) and compiled, the
+loss reduces them in the forward pass, keeps them for the backward pass, and reads them again there
+to recompute the softmax (1.7-1.8 ms per step on an H200, benchmarks/NOTES-train.md). llm.c's fused
 classifier instead computes the loss *and* the logits' gradient in the forward pass, over the 16-bit
 logits, and overwrites the logits with that gradient. This module does the same:
 
@@ -99,7 +99,8 @@ def cross_entropy_rows_(logits: Tensor, targets: Tensor, write_grad: bool = True
     softmax(logits) - onehot(target), in their own dtype (zeros on ignored rows). The trailing
     underscore says so, as in torch."""
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"expected logits (N, V) and targets (N,); got {tuple(logits.shape)} and {tuple(targets.shape)}")
+        raise ValueError(f"expected logits (N, V) and targets (N,); got {tuple(logits.shape)} and "
+                         f"{tuple(targets.shape)}")
     if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"logits must be bf16, fp16 or fp32, got {logits.dtype}")
     if targets.dtype != torch.int64:
