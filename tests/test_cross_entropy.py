@@ -96,14 +96,20 @@ def _assert_within(got, ref, bound, name, max_relative_bound):
 def _check_against_float64(x, w, t, dtype):
     if x.is_cuda and dtype is torch.bfloat16 and runtime.capability() < (8, 0):
         pytest.skip("bf16 Triton kernels need compute capability >= 8.0")
-    # cuBLAS may round split-K partial sums to 16 bits unless told not to; the bound does not count that.
+    # cuBLAS may round split-K partial sums to 16 bits, or fp32 inputs to TF32, unless told not to;
+    # the bound counts neither (a trainer built earlier in this process may have allowed TF32).
     matmul = torch.backends.cuda.matmul
-    saved = matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction
-    matmul.allow_bf16_reduced_precision_reduction = matmul.allow_fp16_reduced_precision_reduction = False
+    flags = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+    saved = [getattr(matmul, f) for f in flags], torch.get_float32_matmul_precision()
+    for f in flags:
+        setattr(matmul, f, False)
+    torch.set_float32_matmul_precision("highest")
     try:
         _check_bounds(x, w, t, dtype)
     finally:
-        matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
+        for f, value in zip(flags, saved[0]):
+            setattr(matmul, f, value)
+        torch.set_float32_matmul_precision(saved[1])
 
 
 def _check_bounds(x, w, t, dtype):
@@ -228,7 +234,16 @@ def test_it_compiles_in_one_graph_and_matches_eager_exactly():
         assert torch.equal(eager, compiled)
 
 
-def test_the_model_option_gives_the_default_loss_and_gradients():
+@pytest.fixture
+def fp32_matmuls():
+    """fp32 means fp32 on a GPU too: no TF32, whatever a trainer built earlier in this process allowed."""
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(saved)
+
+
+def test_the_model_option_gives_the_default_loss_and_gradients(fp32_matmuls):
     cfg = GPTConfig.preset("tiny", vocab_size=150, n_layer=1, n_embd=32, n_head=2, block_size=16)
     model = GPT(cfg).to(DEVICE)
     idx, tgt = torch.randint(0, 150, (2, 16), device=DEVICE), torch.randint(0, 150, (2, 16), device=DEVICE)
