@@ -17,6 +17,7 @@ lift them.
 
 Numerically it is the same computation as ``F.cross_entropy(x @ W^T, targets)``, in a different
 summation order; ``tests/test_fused_loss.py`` checks it against that reference.
+``mpgpt.kernels.cross_entropy`` does the same in one Triton kernel over the 16-bit logits.
 """
 from __future__ import annotations
 

@@ -236,6 +236,7 @@ class GPT(nn.Module):
         # so a checkpoint written with it on resumes with it off and vice versa).
         self.activation_checkpointing = False
         self.loss_chunk_rows = 0  # 0: full logits; see set_chunked_loss
+        self.fused_loss = None  # the fused Triton loss function when on; see set_fused_loss
 
         # GPT-2 / nanoGPT initialisation: N(0, 0.02) for weights, zeros for biases...
         self.apply(self._init_weights)
@@ -276,11 +277,14 @@ class GPT(nn.Module):
             else:
                 x = block(x)  # (B, T, C)
         x = self.transformer.ln_f(x)  # (B, T, C)
-        if targets is not None and self.loss_chunk_rows:
+        if targets is not None and (self.loss_chunk_rows or self.fused_loss is not None):
             if targets.shape != idx.shape:
                 raise ValueError(f"targets shape {tuple(targets.shape)} must match idx shape {tuple(idx.shape)}")
-            loss = chunked_linear_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
-                                                self.loss_chunk_rows)
+            if self.fused_loss is not None:
+                loss = self.fused_loss(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1))
+            else:
+                loss = chunked_linear_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
+                                                    self.loss_chunk_rows)
             return None, loss  # no full logits exist in this mode
         logits = self.lm_head(x)  # (B, T, V)
 
@@ -392,6 +396,30 @@ class GPT(nn.Module):
         if chunk_rows < 0:
             raise ValueError(f"chunk_rows must be >= 0, got {chunk_rows}")
         self.loss_chunk_rows = int(chunk_rows)
+        if chunk_rows:
+            self.fused_loss = None  # one loss at a time
+        return self
+
+    def set_fused_loss(self, enable: bool = True) -> "GPT":
+        """Compute output layer + cross-entropy with one Triton kernel over the 16-bit logits
+        (mpgpt.kernels.cross_entropy) when targets are given: loss and logit gradients in one pass,
+        overwriting the logits, and forward returns ``(None, loss)``. Turns the chunked loss off.
+        Raises a RuntimeError at once where Triton's kernels cannot run. Returns self."""
+        if not enable:
+            self.fused_loss = None
+            return self
+        from mpgpt.kernels import env, kernels_available  # imported here: Triton is optional for chapters 1-5
+
+        ok, why = kernels_available()
+        if not ok:
+            if env.TRITON_IMPORT_ERROR is not None:
+                why = "Triton is not installed here (it ships for Linux only)"
+            raise RuntimeError(f"set_fused_loss needs Triton's kernels: {why.rstrip('.')}; "
+                               "use set_chunked_loss or the default loss instead")
+        from mpgpt.kernels.cross_entropy import fused_linear_cross_entropy
+
+        self.fused_loss = fused_linear_cross_entropy
+        self.loss_chunk_rows = 0
         return self
 
     # ------------------------------------------------------------------------------ chapter 6

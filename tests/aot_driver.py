@@ -18,7 +18,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from mpgpt.kernels import gelu, grouped  # noqa: E402
+from mpgpt.kernels import cross_entropy, gelu, grouped  # noqa: E402
 
 POINTERS = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "z_ptr"]
 INTS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
@@ -48,6 +48,16 @@ def compile_gelu_backward(cc: int, dtype: str) -> dict:
     return {"shared": kernel.metadata.shared}
 
 
+def compile_cross_entropy(cc: int, dtype: str) -> dict:
+    signature = {"logits_ptr": f"*{dtype}", "grad_ptr": f"*{dtype}", "targets_ptr": "*i64", "loss_ptr": "*fp32",
+                 "V": "i32", "stride_l": "i32", "stride_g": "i32", "BLOCK_V": "constexpr", "WRITE_GRAD": "constexpr"}
+    constexprs = {"BLOCK_V": cross_entropy._BLOCK_V, "WRITE_GRAD": True}
+    source = triton.compiler.ASTSource(fn=cross_entropy._cross_entropy_kernel, signature=signature,
+                                       constexprs=constexprs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=cross_entropy._NUM_WARPS))
+    return {"shared": kernel.metadata.shared}
+
+
 def attempt(fn, *args) -> dict:
     try:
         return {"ok": True, **fn(*args)}
@@ -63,6 +73,9 @@ def main(targets) -> dict:
                                **attempt(compile_matmul, cc, "fp16", grouped.FIXED[arch])})
         out["results"].append({"cc": cc, "kernel": "gelu_backward", "dtype": "fp16", "config": "-",
                                **attempt(compile_gelu_backward, cc, "fp16")})
+        for dtype in ("fp16", "bf16") if cc >= 80 else ("fp16",):
+            out["results"].append({"cc": cc, "kernel": "cross_entropy", "dtype": dtype, "config": "-",
+                                   **attempt(compile_cross_entropy, cc, dtype)})
     # What bf16 does below sm_80 depends on the Triton version: recorded, not assumed.
     out["results"].append({"cc": 75, "kernel": "matmul", "dtype": "bf16", "config": "fixed",
                            **attempt(compile_matmul, 75, "bf16", grouped.FIXED["sm75"])})

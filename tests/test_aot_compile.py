@@ -53,6 +53,13 @@ def test_fp16_kernels_compile_and_fit(compiled, cc):
         assert matmul["mma"] + matmul["fma"] > 0
 
 
+@pytest.mark.parametrize("cc,dtype", [(75, "fp16"), (80, "fp16"), (80, "bf16"), (89, "fp16"), (89, "bf16")])
+def test_the_fused_cross_entropy_kernel_compiles(compiled, cc, dtype):
+    record = compiled[cc, "cross_entropy", dtype]
+    assert record["ok"], record.get("error")
+    assert record["shared"] <= SHARED_PER_BLOCK[cc]  # the row reductions' scratch space
+
+
 def test_bf16_on_sm75_is_refused_whatever_triton_does(compiled):
     record = compiled[75, "matmul", "bf16"]
     assert isinstance(record["ok"], bool)  # compiled (Triton 3.9) or a ptxas error (older): both recorded

@@ -35,9 +35,10 @@ REFERENCE_PEAK = PEAK_BF16["H200"]
 # name -> how the step runs. compile: None (eager) or a torch.compile mode ("default",
 # "reduce-overhead" = CUDA graphs); bias=False matches nanoGPT's bench.py model.
 def _config(precision, scaler="none", compile=None, triton=False, bias=True, checkpointing=False, chunked_loss=0,
-            attention="sdpa", clip=True):
+            attention="sdpa", clip=True, fused_loss=False):
     return dict(precision=precision, scaler=scaler, compile=compile, triton=triton, bias=bias,
-                checkpointing=checkpointing, chunked_loss=chunked_loss, attention=attention, clip=clip)
+                checkpointing=checkpointing, chunked_loss=chunked_loss, attention=attention, clip=clip,
+                fused_loss=fused_loss)
 
 
 TRAIN_CONFIGS = {
@@ -63,6 +64,9 @@ TRAIN_CONFIGS = {
     # Everything above that can combine, on nanoGPT's bias-free model.
     "bf16+compile+all-nobias": _config("bf16", compile="reduce-overhead", bias=False, chunked_loss=2048,
                                        attention="cudnn"),
+    # The output layer's loss and logit gradients in one Triton pass over bf16 logits (llm.c's classifier).
+    "bf16+compile+fused-ce": _config("bf16", compile="default", fused_loss=True),
+    "bf16+compile-nobias+fused-ce": _config("bf16", compile="default", bias=False, fused_loss=True),
 }
 
 
@@ -106,6 +110,8 @@ def make_trainer(name, preset="gpt2", batch_size=12, block_size=None, device=Non
         model.set_activation_checkpointing(True)
     if spec["chunked_loss"]:
         model.set_chunked_loss(spec["chunked_loss"])
+    if spec["fused_loss"]:
+        model.set_fused_loss(True)
     data = dataset if dataset is not None else SyntheticTokens(model.config.vocab_size, batch_size,
                                                                model.config.block_size, device)
     return Trainer(cfg, model=model, dataset=data)
