@@ -18,9 +18,9 @@ step is a small wrapper with the same protocol::
    waiting until backward has finished.
 2. :class:`DDPBucketed` — after backward, copy the gradients into flat buckets of about
    ``bucket_mb`` MiB (walking the parameters backwards), one all-reduce per bucket, copy back:
-   a handful of collectives (13 for GPT-2 small's 498 MB of fp32 gradients in 25 MiB buckets:
-   its 154 MB embedding fills one alone), at the price of two extra copies of every gradient.
-   Still all after backward.
+   a handful of collectives (13 for GPT-2 small's 498 MB of fp32 gradients in 25 MiB buckets: one
+   block per bucket, 27 MiB each, and a last one of 150 MiB for the embeddings), at the price of
+   two extra copies of every gradient. Still all after backward.
 3. :class:`DDPOverlapped` — the same buckets, but each is all-reduced *asynchronously* as soon as
    its last gradient is ready, while backward computes the gradients of the earlier layers.
    ``finish()`` only waits for what is still in flight. A hook per parameter
@@ -31,18 +31,22 @@ a parameter). A ring all-reduce sends and receives ``2 (N - 1) / N`` times the b
 They differ in how many collectives carry those bytes and in when the collectives run.
 
 Averaging: each gradient is divided by N, then the ranks' gradients are summed (gloo has no
-average). DDP divides first too, so a sum of N large fp16 gradients cannot overflow where their
-mean would not. For N = 2, halving is exact and the sum of two numbers is one rounding that does
+average). DDP divides first too (as it copies each gradient into its bucket), which also keeps a
+sum of N large fp16 gradients from overflowing where their mean would not. For N = 2, halving is exact and the sum of two numbers is one rounding that does
 not depend on the order, so the result is bit-identical to DDP's (tests/test_ddp_by_hand.py).
 
-Rules shared with DDP (``find_unused_parameters=False``): every parameter that requires a gradient
-must receive one in every backward, and ``finish()`` must follow every backward. Breaking either
-gives a clear error here; DDP would raise at the next forward, or hang. Left out, on purpose:
-DDP's small first bucket (1 MiB, to start the first all-reduce early), its re-bucketing in the
-order gradients really arrived, ``gradient_as_bucket_view`` (``.grad`` as views into the buckets:
-no copies), ``no_sync()`` for gradient accumulation, communication hooks, and buffers kept in sync
-at every forward. The package's trainers use PyTorch's DDP (mpgpt.distributed); this module is
-there to be read and checked against it.
+Every parameter that requires a gradient must receive one in every backward, or ``finish()``
+raises, naming it (DDP with ``find_unused_parameters=False`` has the same rule and raises at the
+next forward). :class:`DDPOverlapped` also needs ``finish()`` after every backward: a second
+backward would hand its hooks the same parameters again, which it refuses. The other two average
+whatever has accumulated in ``.grad``, so several backwards and one ``finish()`` is gradient
+accumulation with one all-reduce per step (what DDP's ``no_sync()`` achieves).
+
+Left out, on purpose: DDP's small first bucket (1 MiB), its re-bucketing after the first step in
+the order gradients really arrived, ``gradient_as_bucket_view`` (``.grad`` as views into the
+buckets: no copies), communication hooks, and buffers kept in sync at every forward. The
+package's trainers use PyTorch's DDP (mpgpt.distributed); this module is there to be read and
+checked against it.
 """
 from __future__ import annotations
 

@@ -4,7 +4,9 @@ One 2-rank launch on CPU (gloo, 127.0.0.1 only: ``mpgpt.distributed.launch``) ru
 script. Each rank starts its model from a *different* seed (so the broadcast from rank 0 has work to
 do), draws fresh random tokens of its own (a seed from the OS, printed by the test), and trains
 ``STEPS`` AdamW steps with PyTorch's DDP and with each hand-built variant. The tests compare, step by
-step, the averaged gradients and the weights.
+step, the averaged gradients and the weights; then a bf16 model (bf16 gradients, bf16 all-reduce),
+gradient accumulation over two micro-batches (DDP's ``no_sync()`` against one ``finish()``), and the
+errors a user meets.
 
 Tolerance: none; they are compared bit for bit (torch.equal). Both sides compute this rank's local
 gradient with the same ops in the same process, so those agree exactly; then both divide by N = 2
@@ -13,6 +15,7 @@ depend on the order of the two operands. No reordered sums remain, so any differ
 bug. Control: the local gradients without the all-reduce differ from DDP's, so equality is not
 vacuous (a variant that skipped a bucket, or averaged twice, would differ in those elements).
 """
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -143,6 +146,20 @@ def _worker(out: Path, seed: int) -> None:
         inner = model.module
         bf16[name] = torch.cat([p.grad.reshape(-1) for p in inner.parameters()]).clone()
     results["bf16"] = bf16
+
+    # Gradient accumulation: two micro-batches, one average. DDP skips its all-reduce on the first
+    # with no_sync(); DDPBucketed is simply not asked to finish() until the last.
+    accum = {}
+    for name in ["ddp", "bucketed"]:
+        model = wrappers[name](own_model())
+        first = model.no_sync() if name == "ddp" else contextlib.nullcontext()
+        with first:
+            model(tokens[0, :, :-1], tokens[0, :, 1:])[1].backward()
+        model(tokens[1, :, :-1], tokens[1, :, 1:])[1].backward()
+        if hasattr(model, "finish"):
+            model.finish()
+        accum[name] = torch.cat([p.grad.reshape(-1) for p in model.module.parameters()]).clone()
+    results["accum"] = accum
     dist.barrier()
     torch.save(results, out / f"rank{rank}.pt")
 
@@ -188,6 +205,13 @@ def test_bf16_gradients_are_averaged_in_bf16_exactly_as_ddp_does(ranks):
         assert mine.dtype == ddp.dtype == torch.bfloat16
         assert torch.equal(mine, ddp)
     assert torch.equal(ranks[0]["bf16"]["overlapped"], ranks[1]["bf16"]["overlapped"])
+
+
+def test_several_backwards_then_one_finish_is_ddps_gradient_accumulation(ranks):
+    for rank in ranks:
+        assert torch.equal(rank["accum"]["bucketed"], rank["accum"]["ddp"])
+    # (and the accumulated average is not one micro-batch's)
+    assert not torch.equal(ranks[0]["accum"]["ddp"], ranks[0]["ddp"]["grads"][0])
 
 
 def test_without_the_all_reduce_the_gradients_differ_from_ddps(ranks):
