@@ -2,6 +2,8 @@
 # Re-measure the multi-GPU record on one host with two or more CUDA GPUs:
 #   ddp-h200x2   python -m mpgpt.bench ddp: GPT-2 small, bf16, batch 12 x 1024 per GPU, on 1 GPU and
 #                on N GPUs with DDP and with FSDP2 (tokens/s, speedup, scaling efficiency)
+#   ddp-by-hand  python -m mpgpt.bench ddp-by-hand: GPT-2 small, bf16, the three hand-built variants of
+#                chapter 8 against DDP and against no averaging (ms per step, exposed communication)
 #
 # Needs only the package installed from the repository (`pip install .`) and the GPUs.
 #   bash benchmarks/reproduce-multigpu.sh [OUT_DIR] [NPROC]   # OUT_DIR: ./results; NPROC: every visible GPU
@@ -45,6 +47,8 @@ env | grep -E '^(NCCL_|NVSHMEM_|TORCH_SYMM_MEM_|TORCH_NCCL_|CUDA_VISIBLE_DEVICES
 
 # Chapter 8: 1 GPU against NPROC GPUs, DDP and FSDP2 (record ddp-h200x2).
 run ddp "$py" -m mpgpt.bench ddp --config bf16 --nproc "$nproc" --out-dir "$out"
+# Chapter 8: the hand-built data parallelism (mpgpt.ddp_by_hand) against DDP, per-step time, NPROC GPUs.
+run ddp-by-hand "$py" -m mpgpt.bench ddp-by-hand --device cuda --nproc "$nproc" --out-dir "$out"
 
 echo
 echo "done; results in $out:"

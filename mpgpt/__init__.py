@@ -1,7 +1,7 @@
 """mpgpt: mixed-precision GPT training from scratch — the package every chapter of the course imports.
 
 Map of the package, in layers: each module imports only from the layers above it in this list,
-runtime from no other mpgpt module, the layer-1 modules (formats to results, and optim16) from runtime at most, and model reaches down to kernels only
+runtime from no other mpgpt module, the layer-1 modules (formats to results, optim16 and ddp_by_hand) from runtime at most, and model reaches down to kernels only
 inside GPT.use_triton, since Triton is optional (tests/test_layering.py checks all of it). Each module's docstring names the chapter that teaches it.
 
     runtime      what the device can do: capability, memory, Triton; about()      all
@@ -12,6 +12,7 @@ inside GPT.use_triton, since Triton is optional (tests/test_layering.py checks a
     checkpoint   atomic save and verified load                                    chapter 5
     fused_loss   output layer + cross-entropy in chunks, never the full logits    chapter 7
     optim16      AdamW with weights and moments in 16 bits, stochastic rounding   chapter 10
+    ddp_by_hand  data parallelism by hand: per-parameter, buckets, overlap        chapter 8
     results      the benchmark result format; curated records shipped inside      chapters 6-8
     model        GPTConfig and GPT, the fp32 reference model; peak FLOP/s, MFU    chapters 2, 7
     fp8          saturating fp8 casts, scaling recipes, scaled matmul, Fp8Linear  chapter 9

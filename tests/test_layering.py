@@ -21,6 +21,7 @@ LAYERS = {
     "runtime": 0,
     "formats": 1, "data": 1, "precision": 1, "checkpoint": 1, "fused_loss": 1, "scaling": 1, "results": 1,
     "optim16": 1,
+    "ddp_by_hand": 1,
     "model": 2, "fp8": 2,
     "kernels": 3,
     "trainer": 4,

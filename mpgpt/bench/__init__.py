@@ -3,6 +3,7 @@
     python -m mpgpt.bench train     # GPT-2 small training throughput across precisions (training.py)
     python -m mpgpt.bench kernels   # Triton matmul against cuBLAS, compute capability >= 8.0 (kernels.py)
     python -m mpgpt.bench ddp       # 1 vs N GPUs, DDP and FSDP2 (ddp.py)
+    python -m mpgpt.bench ddp-by-hand  # mpgpt.ddp_by_hand's three variants against DDP (ddp_by_hand.py)
     python -m mpgpt.bench fp8       # fp8 GEMMs, Fp8Linear against bf16, accumulation; sm_89+ (fp8.py)
     python -m mpgpt.bench optim16   # one AdamW step at GPT-2 small: 16-bit variants vs torch fused (optim16.py)
 

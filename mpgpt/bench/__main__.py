@@ -4,6 +4,7 @@ import sys
 COMMANDS = {"train": "mpgpt.bench.training", "kernels": "mpgpt.bench.kernels", "ddp": "mpgpt.bench.ddp"}
 COMMANDS["fp8"] = "mpgpt.bench.fp8"  # chapter 9: fp8 GEMMs, the crossover map, accumulation
 COMMANDS["optim16"] = "mpgpt.bench.optim16"  # chapter 10: one AdamW step, 16-bit variants vs torch fused
+COMMANDS["ddp-by-hand"] = "mpgpt.bench.ddp_by_hand"  # chapter 8: hand-built data parallelism vs DDP
 
 
 def main(argv=None) -> int:
