@@ -123,11 +123,11 @@ PARTS = ("step", "training")
 
 
 def bench_training(variants, preset="gpt2", cfg=None, n_chars: int = 12_000_000, device="cuda") -> dict:
-    """Train the preset once per variant (and once the usual mixed-precision way, "torch-amp")."""
+    """Train the preset once per name in ``variants`` ("torch-amp": the usual mixed-precision way)."""
     cfg = cfg or RunConfig()
     dataset = corpus_dataset(n_chars)
     out = {}
-    for name in ["torch-amp", *variants]:
+    for name in variants:
         torch.manual_seed(cfg.seed)
         model = GPT(GPTConfig.preset(preset, block_size=cfg.block_size)).to(device)
         hyper = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -159,9 +159,14 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", default="gpt2", help="model size whose parameter count is updated (default gpt2)")
     parser.add_argument("--out-dir", default=".", help="where the JSON result goes (default: the current folder)")
     parser.add_argument("--tag", default=None, type=check_tag, help="appended to the file name")
+    parser.add_argument("--train-steps", type=int, default=RunConfig.steps, help="steps of each training run")
     parser.add_argument("--parts", default="step", help=f"comma-separated, from: {', '.join(PARTS)} (default: step)")
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
+    if args.train_steps < 200:
+        print("python -m mpgpt.bench optim16: error: --train-steps must be at least 200 (warm-up is 100 steps)",
+              file=sys.stderr)
+        return 2
     if not parts or any(p not in PARTS for p in parts):
         print(f"python -m mpgpt.bench optim16: error: --parts takes {', '.join(PARTS)}", file=sys.stderr)
         return 2
@@ -189,8 +194,11 @@ def main(argv=None) -> int:
         result["rows"] = bench_optimizers(variants, args.preset)
         path = write_result("optim16", result, args.out_dir, tag=args.tag, command=command)
     if "training" in parts:
-        result["training"] = bench_training(variants, args.preset)
-        path = write_result("optim16", result, args.out_dir, tag=args.tag, command=command)
+        cfg = RunConfig(steps=args.train_steps)
+        result["training"] = {}
+        for name in ["torch-amp", *variants]:   # recorded after each run: a cut-short run keeps what it measured
+            result["training"].update(bench_training([name], args.preset, cfg))
+            path = write_result("optim16", result, args.out_dir, tag=args.tag, command=command)
     print(f"wrote {path}")
     return 0
 
