@@ -34,6 +34,12 @@ RECORDS = {
     "scaler-overhead-h200": "DynamicLossScaler against torch.amp.GradScaler, step time on an H200 (chapter 5)",
     "ddp-h200x2": "DDP and FSDP2 on 1 and 2 H200s: tokens/s and scaling efficiency (chapter 8)",
     "ddp-h200x2-variants": "DDP bucket sizes and compiled graphs on 2 H200s, one recording per run (chapter 8)",
+    "train-h200-fused-ce": "bf16+compile with and without the fused cross-entropy kernel, one run (chapter 7)",
+    "fp8-h200": "fp8 GEMMs, Fp8Linear against bf16 nn.Linear per layer shape, long-K accumulation (chapter 9)",
+    "fp8-training-h200": "GPT-2 small, 2000 steps: bf16 (two seeds) against fp8 in the output layer (chapter 9)",
+    "optim16-h200": "one AdamW step at GPT-2 small's size: the fused 16-bit variants against torch's fused AdamW (chapter 10)",
+    "optim16-training-h200": "GPT-2 small, 1000 steps with each optimizer-storage variant (chapter 10)",
+    "lab-gpu-h200": "the NaN lab on a GPU: hidden syncs, the grader's compiled checks, the scripts' times (the NaN lab)",
 }
 
 
