@@ -3,6 +3,10 @@
 #   kernels-h200          python -m mpgpt.bench kernels
 #   train-h200            python -m mpgpt.bench train (the full ladder, largest batch, profile, real run)
 #   scaler-overhead-h200  python benchmarks/scaler_overhead.py --device cuda --preset gpt2
+#   train-h200-fused-ce   python -m mpgpt.bench train --configs bf16+compile,bf16+compile+fused-ce
+#   lab-gpu-h200          python benchmarks/lab_gpu_check.py
+#   optim16-h200, optim16-training-h200   python -m mpgpt.bench optim16 (--parts training)
+#   fp8-h200, fp8-training-h200           python -m mpgpt.bench fp8 (needs sm_89+: skipped below that)
 #
 # Needs only the package installed from the repository (`pip install .`) and a GPU.
 #   bash benchmarks/reproduce-1gpu.sh [OUT_DIR]      # OUT_DIR defaults to ./results
@@ -60,6 +64,26 @@ run train "$py" -m mpgpt.bench train \
 
 # Chapter 5: DynamicLossScaler against torch.amp.GradScaler, GPT-2 small, fp16 (record scaler-overhead-h200).
 run scaler-overhead "$py" "$here/scaler_overhead.py" --device cuda --preset gpt2 --out-dir "$out"
+
+# Chapter 7: the fused classifier against the compiled step, in one run (record train-h200-fused-ce).
+run train-fused-ce "$py" -m mpgpt.bench train --configs bf16+compile,bf16+compile+fused-ce \
+    --warmup 10 --steps 30 --tag fused-ce --out-dir "$out"
+
+# The NaN lab on a GPU: hidden syncs, the grader compiled, the scripts' times (record lab-gpu-h200).
+run lab-gpu "$py" "$here/lab_gpu_check.py" --out-dir "$out"
+
+# Chapter 10: one optimizer step per variant, then GPT-2 small trained with the record's variants
+# (records optim16-h200 and optim16-training-h200; the training takes about 4 minutes on an H200).
+run optim16 "$py" -m mpgpt.bench optim16 --out-dir "$out"
+run optim16-training "$py" -m mpgpt.bench optim16 --parts training --train-steps 1000 \
+    --variants fp32-master,bf16,bf16-sr,bf16-kahan,all-bf16-sr --out-dir "$out"
+
+# Chapter 9: fp8 GEMMs, the layer map, accumulation, and the 2000-step runs (records fp8-h200 and
+# fp8-training-h200). Only on a GPU with fp8 tensor cores (sm_89+); the bench says so otherwise.
+if "$py" -c "import sys, mpgpt.runtime as r; sys.exit(0 if r.current().fp8 else 1)"; then
+  run fp8 "$py" -m mpgpt.bench fp8 --parts gemm,crossover,accumulation --out-dir "$out"
+  run fp8-training "$py" -m mpgpt.bench fp8 --parts training --train-runs bf16,bf16_seed1,fp8_lm_head --out-dir "$out"
+fi
 
 echo
 echo "done; results in $out:"
