@@ -292,8 +292,8 @@ def test_fp8_kernel_writes_fp8_output_and_its_amax():
 
 
 def test_fp8_kernel_refuses_bad_operands():
-    km = kernel_or_skip()
-    q = fp8.quantize(torch.randn(32, 256))
+    km, dev = kernel_or_skip(), device_for_kernel()
+    q = fp8.quantize(torch.randn(32, 256, device=dev))
     with pytest.raises(TypeError, match="fp8 operands"):
         km.fp8_matmul(torch.randn(4, 8), torch.randn(4, 8), 1.0, 1.0)
     g = fp8.quantize(torch.randn(32, 256), E5M2)
