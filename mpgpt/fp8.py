@@ -287,8 +287,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.layer = layer
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        with torch.autocast(x.device.type, enabled=False):
-            y = layer._mm(x, weight, "x", "w", E4M3, E4M3, x.dtype)          # (M, K) . (N, K) -> (M, N)
+        # The output dtype nn.Linear would give: the autocast dtype under autocast (LayerNorm hands
+        # over fp32 there, and fp32 logits would double the output's bytes), else the input's.
+        device_type = x.device.type
+        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        with torch.autocast(device_type, enabled=False):
+            y = layer._mm(x, weight, "x", "w", E4M3, E4M3, out_dtype)        # (M, K) . (N, K) -> (M, N)
             if bias is not None:
                 y = y + bias.to(y.dtype)
         return y

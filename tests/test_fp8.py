@@ -375,3 +375,20 @@ def test_fp8_linear_on_fp8_tensor_cores_is_within_the_bound(recipe):
         ref = a.double() @ b.double().t()
         bound = fp8.matmul_error_bound(fp8.quantize(a, fa, q), a, fp8.quantize(b, E4M3, q), b, accumulate_bits=13)
         assert ((out.double() - ref).abs() <= bound + 2.0**-8 * ref.abs()).all()   # rowwise: a bf16 output
+
+
+def test_fp8_linear_returns_the_dtype_nn_linear_would():
+    """Under autocast nn.Linear returns the autocast dtype even for an fp32 input (LayerNorm's
+    output); Fp8Linear must too, or a model's logits silently become fp32. Outside autocast: the
+    input's dtype. The values stay within the bf16 rounding of the emulated fp32 product."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    layer = fp8.Fp8Linear.from_linear(lin)
+    x = torch.randn(16, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_dtype = lin(x).dtype
+        y = layer(x)
+    assert ref_dtype == torch.bfloat16 and y.dtype == ref_dtype
+    plain = layer(x)
+    assert plain.dtype == torch.float32
+    assert torch.allclose(y.float(), plain, rtol=2.0**-8, atol=2.0**-8 * plain.abs().max().item())

@@ -7,7 +7,7 @@ import torch
 from mpgpt.bench.longrun import RunConfig, corpus_dataset, long_run, lr_at
 from mpgpt.model import GPT, GPTConfig
 
-SMALL = dict(steps=8, batch_size=2, block_size=16, eval_every=4, eval_batches=2, warmup=2)
+SMALL = dict(steps=12, batch_size=2, block_size=16, eval_every=6, eval_batches=2, warmup=2)
 
 
 def test_the_schedule_warms_up_then_decays_to_the_minimum():
@@ -40,7 +40,8 @@ def test_a_run_is_reproducible_and_learns():
                                 RunConfig(**SMALL, lr=3e-3), device="cpu"))
     a, b = results
     assert a["train_loss"] == b["train_loss"] and a["val_loss"] == b["val_loss"]
-    assert len(a["train_loss"]) == 8 and [s for s, _ in a["val_loss"]] == [4, 8]
+    assert len(a["train_loss"]) == 12 and [s for s, _ in a["val_loss"]] == [6, 12]
+    assert a["timed_steps"] == 2          # the first ten steps are warm-up, not timed
     assert a["train_loss"][-1] < a["train_loss"][0] - 0.2
     assert a["tokens_per_s"] > 0 and a["peak_gib"] is None
 
@@ -50,5 +51,30 @@ def test_a_diverging_run_stops_loudly():
     model = _model()
     with torch.no_grad():
         model.lm_head.weight.fill_(math.inf)
-    with pytest.raises(FloatingPointError, match="diverged at step 4"):
+    with pytest.raises(FloatingPointError, match="diverged at step 1:"):   # found at the check of step 6
         long_run(model, torch.optim.SGD(model.parameters(), lr=0.1), data, RunConfig(**SMALL), device="cpu")
+
+
+def test_a_nan_between_checks_is_named_by_its_step():
+    data = corpus_dataset(20_000)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    real_step = opt.step
+
+    def step_then_poison():                 # after the third update the weights become NaN
+        real_step()
+        opt.count = getattr(opt, "count", 0) + 1
+        if opt.count == 3:
+            with torch.no_grad():
+                model.lm_head.weight.fill_(float("nan"))
+    opt.step = step_then_poison
+    with pytest.raises(FloatingPointError, match="diverged at step 4:"):
+        long_run(model, opt, data, RunConfig(**SMALL), device="cpu")
+
+
+def test_a_run_too_short_to_time_is_refused():
+    data = corpus_dataset(20_000)
+    model = _model()
+    with pytest.raises(ValueError, match="more than 10 steps"):
+        long_run(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                 RunConfig(**{**SMALL, "steps": 8, "eval_every": 4}), device="cpu")

@@ -13,8 +13,10 @@ such training, the same way for every variant it compares:
 * AdamW-style optimizer built by the caller, linear warm-up then cosine decay, clipping at 1.0;
 * the losses stay on the GPU until the end (no sync per step); a validation loss every
   ``eval_every`` steps, which is also where a non-finite loss stops the run loudly;
-* each step timed with CUDA events (the median is reported, evaluation excluded) and the peak
-  memory from `torch.cuda.max_memory_allocated`.
+* each step timed with CUDA events (the median of all but the first WARMUP_STEPS, evaluation
+  excluded) and the peak memory from `torch.cuda.max_memory_allocated`;
+* the validation windows are the same for every run (VAL_SEED), so two runs are always scored on
+  the same text.
 """
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ import torch
 from mpgpt.data import TextDataset, generate_corpus
 
 __all__ = ["RunConfig", "corpus_dataset", "lr_at", "long_run"]
+
+VAL_SEED = 10_000     # validation windows: shared by all runs, so runs of different seeds are compared on the same text
+WARMUP_STEPS = 10     # left out of the step-time median: the first steps compile, autotune and allocate
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,7 @@ def lr_at(step: int, cfg: RunConfig) -> float:
 
 @torch.no_grad()
 def _val_loss(model, dataset, cfg, device, autocast_dtype) -> float:
-    gen = torch.Generator().manual_seed(10_000 + cfg.seed)   # the same validation windows every time
+    gen = torch.Generator().manual_seed(VAL_SEED)   # the same windows at every evaluation and for every seed
     total = torch.zeros((), device=device)
     for _ in range(cfg.eval_batches):
         x, y = dataset.get_batch("val", cfg.batch_size, cfg.block_size, generator=gen, device=device)
@@ -84,7 +89,8 @@ def long_run(model, optimizer, dataset: TextDataset, cfg: RunConfig, device: str
     """Train ``model`` with ``optimizer`` for cfg.steps steps; return the curves and the costs.
 
     ``autocast_dtype``: run forward and backward under autocast to this dtype (None: the model's
-    own dtype). Raises FloatingPointError at the first evaluation that sees a non-finite loss."""
+    own dtype). Raises FloatingPointError at the first evaluation after a non-finite loss, naming
+    the first step whose loss was not finite."""
     on_cuda = torch.device(device).type == "cuda"
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -121,20 +127,26 @@ def long_run(model, optimizer, dataset: TextDataset, cfg: RunConfig, device: str
                 step_ms += [s.elapsed_time(e) for s, e in events]
                 events = []
             v = _val_loss(model, dataset, cfg, device, autocast_dtype)
-            last = losses[-1].item()
-            if not (math.isfinite(v) and math.isfinite(last)):
-                raise FloatingPointError(f"the run diverged at step {step + 1}: train loss {last}, val loss {v}; "
-                                         "lower the learning rate or use a safer format")
+            recent = torch.stack(losses[-cfg.eval_every:])        # every training loss since the last check
+            finite = torch.isfinite(recent)
+            if not (math.isfinite(v) and bool(finite.all())):
+                # recent[j] is the loss of step (step + 2 - len(recent) + j), counting steps from 1
+                bad = step + 1 if finite.all() else step + 2 - len(recent) + int((~finite).nonzero()[0])
+                raise FloatingPointError(f"the run diverged at step {bad}: train loss {losses[bad - 1].item()}, "
+                                         f"val loss {v}; lower the learning rate or use a safer format")
             val.append((step + 1, v))
     wall = time.perf_counter() - wall
-    timed = sorted(step_ms[min(10, len(step_ms) - 1):])  # the first steps compile and warm up
-    median = timed[len(timed) // 2]
+    timed = sorted(step_ms[WARMUP_STEPS:])
+    if not timed:
+        raise ValueError(f"a timed run needs more than {WARMUP_STEPS} steps (the first {WARMUP_STEPS} warm up)")
+    median = timed[len(timed) // 2]   # the upper middle one for an even count
     tokens = cfg.batch_size * cfg.block_size
     return {
         "run": asdict(cfg),
         "train_loss": [round(v, 5) for v in torch.stack(losses).tolist()],
         "val_loss": [[s, round(v, 5)] for s, v in val],
         "ms_per_step": median,
+        "timed_steps": len(timed),
         "tokens_per_s": tokens / median * 1e3,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None,
         "wall_s": wall,

@@ -150,6 +150,10 @@ def adamw16_fused(w: torch.Tensor, g: torch.Tensor, state: dict, variant: str, c
     kenv.check_device(w)
     v = VARIANTS[variant]
     n = w.numel()
+    if offset < 0 or offset + n > 2**31 - 1:
+        # element indices and Philox counters are 32-bit in the kernel: past 2^31 they would wrap
+        raise ValueError(f"adamw16_fused indexes at most 2^31 - 1 elements (offset {offset} + {n} elements); "
+                         "update a model this large with mpgpt.optim16.AdamW16")
     extra = state.get(v.extra_buffer) if v.extra_buffer else state["exp_avg"]  # unused when no buffer
     grid = (triton.cdiv(n, block),)
     _adamw16_kernel[grid](
@@ -173,9 +177,13 @@ class FusedAdamW16(AdamW16):
         super().__init__(params, **kwargs)
         for group in self.param_groups:
             for p in group["params"]:
-                if p.dtype != torch.bfloat16 or not p.is_contiguous():
-                    raise TypeError(f"FusedAdamW16 updates contiguous bf16 parameters, got a {p.dtype} one: cast the "
+                if p.dtype != torch.bfloat16:
+                    raise TypeError(f"FusedAdamW16 updates bf16 parameters, got a {p.dtype} one: cast the "
                                     "model with model.to(torch.bfloat16), or use mpgpt.optim16.AdamW16")
+                if not p.is_contiguous():
+                    raise TypeError(f"FusedAdamW16 updates contiguous parameters, got one of shape {tuple(p.shape)} "
+                                    f"with strides {p.stride()}: make it contiguous (p.data = p.data.contiguous()) "
+                                    "before building the optimizer, or use mpgpt.optim16.AdamW16")
 
     @torch.no_grad()
     def step(self, closure=None):
