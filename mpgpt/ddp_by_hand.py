@@ -145,10 +145,13 @@ class _Bucket:
     """A flat buffer holding the gradients of a few parameters, one after the other."""
 
     def __init__(self, params: list[torch.Tensor]):
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) > 1 or len({p.device for p in params}) > 1:
-            raise ValueError(f"a bucket packs one dtype on one device; these parameters mix {sorted(map(str, dtypes))}: "
+        dtypes, devices = {p.dtype for p in params}, {p.device for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"a bucket packs one dtype; these parameters mix {sorted(map(str, dtypes))}: "
                              "give the model one dtype (model.float() or model.bfloat16())")
+        if len(devices) > 1:
+            raise ValueError(f"a bucket packs one device; these parameters lie on {sorted(map(str, devices))}: "
+                             "move the whole model to this rank's device (model.to(device)) before wrapping it")
         self.params = params
         self.offsets = [0]
         for p in params:

@@ -283,3 +283,13 @@ def test_wrapping_without_a_process_group_says_what_to_do():
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]), int(sys.argv[2]))
+
+
+def test_a_bucket_names_what_its_parameters_mix():
+    from mpgpt.ddp_by_hand import _Bucket
+
+    a = torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match="mix .*bfloat16.*float32"):
+        _Bucket([a, torch.nn.Parameter(torch.randn(2).to(torch.bfloat16))])
+    with pytest.raises(ValueError, match="lie on .*cpu.*meta"):
+        _Bucket([a, torch.nn.Parameter(torch.empty(2, device="meta"))])

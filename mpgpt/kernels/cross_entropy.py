@@ -20,8 +20,10 @@ chunk there, whole here), ``g`` is the gradient of the *summed* loss: left unnor
 probabilities stay above fp16's smallest subnormal (2^-24); the 1/n of the mean and the upstream
 gradient (a loss scale) are applied in fp32 in the backward pass, which only rescales.
 
-Rows whose target is -1 are ignored: no loss, a zero gradient row. A target outside [-1, V) gives a
-NaN loss (checking it on the host would cost a GPU sync every step).
+Rows whose target is -1 are ignored: no loss, a zero gradient row (-1 is the package's convention,
+as in GPT.forward; torch's F.cross_entropy defaults to -100, which here counts as out of range). A
+target outside [-1, V) gives a NaN loss, which stops a run loudly (checking it on the host would cost
+a GPU sync every step).
 
 The whole forward is one custom operator, ``mpgpt::linear_cross_entropy``, with a fake implementation,
 so torch.compile records one opaque call (no graph break) and Inductor does not try to fuse into it.
