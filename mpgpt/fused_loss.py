@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["chunked_linear_cross_entropy"]
+__all__ = ["chunked_linear_cross_entropy", "save_summed_grads", "rescale_summed_grads"]
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -50,16 +50,28 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             g = g.to(compute_dtype)
             grad_x[rows] = g @ wc                                  # (n, C)
             grad_w += g.t() @ xc[rows]                             # (V, C)
-        n_valid = (targets != -1).sum().clamp_min(1).to(acc)
-        ctx.save_for_backward(grad_x, grad_w, n_valid)
-        ctx.dtypes = (x.dtype, weight.dtype)
-        return loss_sum / n_valid
+        return save_summed_grads(ctx, loss_sum, grad_x, grad_w, targets, x.dtype, weight.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_x, grad_w, n_valid = ctx.saved_tensors
-        scale = grad_out.to(n_valid.dtype) / n_valid
-        return (grad_x * scale).to(ctx.dtypes[0]), (grad_w * scale).to(ctx.dtypes[1]), None, None, None
+        return (*rescale_summed_grads(ctx, grad_out), None, None, None)
+
+
+def save_summed_grads(ctx, loss_sum, grad_x, grad_w, targets, x_dtype, w_dtype):
+    """For a loss whose forward pass already computed the gradients of the *summed* loss: keep them
+    and return the mean over the targets that are not -1 (shared with mpgpt.kernels.cross_entropy)."""
+    n_valid = (targets != -1).sum().clamp_min(1).to(loss_sum.dtype)
+    ctx.save_for_backward(grad_x, grad_w, n_valid)
+    ctx.dtypes = (x_dtype, w_dtype)
+    return loss_sum / n_valid
+
+
+def rescale_summed_grads(ctx, grad_out):
+    """The backward pass of such a loss: the stored gradients times grad_out / n, in fp32 (or the
+    stored dtype), then cast to the inputs' dtypes. Returns (grad_x, grad_w)."""
+    grad_x, grad_w, n_valid = ctx.saved_tensors
+    scale = grad_out.to(n_valid.dtype) / n_valid
+    return (grad_x * scale).to(ctx.dtypes[0]), (grad_w * scale).to(ctx.dtypes[1])
 
 
 def chunked_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

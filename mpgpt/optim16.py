@@ -367,20 +367,23 @@ class AdamW16(torch.optim.Optimizer):
         for group, flat, offset in zip(self.param_groups, self.flat, self.group_offsets):
             b1, b2 = group["betas"]
             c = coefficients(group["lr"], b1, b2, group["eps"], group["weight_decay"], self.steps)
-            params = group["params"]
-            if all(p.grad is not None for p in params) and len({p.dtype for p in params}) == 1:
-                # the whole group at once: fewer, larger operations (what the fused kernel does)
-                w = torch.cat([p.detach().reshape(-1) for p in params])
-                g = torch.cat([p.grad.reshape(-1).float() for p in params])
-                adamw16_update(w, g, flat, self.variant, c, key, offset)
-                for p, chunk in zip(params, w.split([p.numel() for p in params])):
-                    p.detach().copy_(chunk.view_as(p))
-            else:
-                for p in params:
-                    if p.grad is not None:
-                        state = self.state[p]
-                        adamw16_update(p, p.grad, state, self.variant, c, key, state["offset"])
+            self._update_group(group["params"], flat, offset, c, key)
         return loss
+
+    def _update_group(self, params, flat: dict, offset: int, c: Coefficients, key: int) -> None:
+        """One step over one parameter group (a subclass may run it another way, e.g. fused)."""
+        if all(p.grad is not None for p in params) and len({p.dtype for p in params}) == 1:
+            # the whole group at once: fewer, larger operations (what the fused kernel does)
+            w = torch.cat([p.detach().reshape(-1) for p in params])
+            g = torch.cat([p.grad.reshape(-1).float() for p in params])
+            adamw16_update(w, g, flat, self.variant, c, key, offset)
+            for p, chunk in zip(params, w.split([p.numel() for p in params])):
+                p.detach().copy_(chunk.view_as(p))
+        else:
+            for p in params:
+                if p.grad is not None:
+                    state = self.state[p]
+                    adamw16_update(p, p.grad, state, self.variant, c, key, state["offset"])
 
     def fp32_weight(self, p: torch.Tensor) -> torch.Tensor:
         """The fp32 value the optimizer holds for parameter ``p`` (flat): the master, the rebuilt

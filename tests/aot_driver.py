@@ -18,7 +18,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from mpgpt.kernels import cross_entropy, gelu, grouped  # noqa: E402
+from mpgpt.kernels import cross_entropy, fp8_matmul, gelu, grouped  # noqa: E402
 
 POINTERS = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "z_ptr"]
 INTS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
@@ -58,6 +58,29 @@ def compile_cross_entropy(cc: int, dtype: str) -> dict:
     return {"shared": kernel.metadata.shared}
 
 
+FP8_POINTERS = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32",
+                "out_scale_ptr": "*fp32", "amax_ptr": "*fp32"}
+
+
+def compile_fp8(cc: int, kernel: str) -> dict:
+    """The fp8 GEMM with an fp8 output, rowwise scales and promotion (every epilogue branch that
+    runs on a GPU): the pointer kernel with its smallest configuration (it must fit an L4), or the
+    TMA kernel (sm_90) with its first."""
+    tma = kernel == "fp8_matmul_tma"
+    config = fp8_matmul.TMA_CONFIGS[0] if tma else fp8_matmul.CONFIGS[-1]
+    constexprs = dict(OUT_MAX=448.0, ROWWISE=True, OUT_FP8=True, PROMOTE=True, **config.kwargs)
+    strides = ["stride_am", "stride_bn", "stride_cm", "stride_cn"] if tma else \
+        ["stride_am", "stride_ak", "stride_bn", "stride_bk", "stride_cm", "stride_cn"]
+    constexprs |= dict(NUM_SMS=132) if tma else dict(UPCAST=False)
+    signature = FP8_POINTERS | {"c_ptr": "*fp8e4nv"} | {n: "i32" for n in ["M", "N", "K", *strides]}
+    signature |= {name: "constexpr" for name in constexprs}
+    fn = fp8_matmul.fp8_matmul_tma_kernel if tma else fp8_matmul.fp8_matmul_kernel
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32),
+                              options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    return {"shared": compiled.metadata.shared, **instructions(compiled.asm["ptx"])}
+
+
 def attempt(fn, *args) -> dict:
     try:
         return {"ok": True, **fn(*args)}
@@ -76,6 +99,11 @@ def main(targets) -> dict:
         for dtype in ("fp16", "bf16") if cc >= 80 else ("fp16",):
             out["results"].append({"cc": cc, "kernel": "cross_entropy", "dtype": dtype, "config": "-",
                                    **attempt(compile_cross_entropy, cc, dtype)})
+    # The fp8 GEMMs on the GPUs that have fp8 tensor cores: the L4 (pointer kernel), Hopper (TMA).
+    out["results"].append({"cc": 89, "kernel": "fp8_matmul", "dtype": "fp8", "config": "smallest",
+                           **attempt(compile_fp8, 89, "fp8_matmul")})
+    out["results"].append({"cc": 90, "kernel": "fp8_matmul_tma", "dtype": "fp8", "config": "first",
+                           **attempt(compile_fp8, 90, "fp8_matmul_tma")})
     # What bf16 does below sm_80 depends on the Triton version: recorded, not assumed.
     out["results"].append({"cc": 75, "kernel": "matmul", "dtype": "bf16", "config": "fixed",
                            **attempt(compile_matmul, 75, "bf16", grouped.FIXED["sm75"])})

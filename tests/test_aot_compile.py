@@ -27,7 +27,7 @@ triton = pytest.importorskip("triton")
 GPUTarget = pytest.importorskip("triton.backends.compiler").GPUTarget
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_PER_BLOCK = {75: 64 * 1024, 80: 163 * 1024, 89: 99 * 1024}
+SHARED_PER_BLOCK = {75: 64 * 1024, 80: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,16 @@ def test_the_fused_cross_entropy_kernel_compiles(compiled, cc, dtype):
     record = compiled[cc, "cross_entropy", dtype]
     assert record["ok"], record.get("error")
     assert record["shared"] <= SHARED_PER_BLOCK[cc]  # the row reductions' scratch space
+
+
+@pytest.mark.parametrize("cc,kernel", [(89, "fp8_matmul"), (90, "fp8_matmul_tma")])
+def test_the_fp8_gemms_compile_for_fp8_tensor_cores(compiled, cc, kernel):
+    """fp8 output, rowwise scales and promotion: the epilogue both kernels share, compiled for the L4
+    (pointer loads) and Hopper (TMA loads, wgmma), within the GPU's shared memory."""
+    record = compiled[cc, kernel, "fp8"]
+    assert record["ok"], record.get("error")
+    assert 0 < record["shared"] <= SHARED_PER_BLOCK[cc]
+    assert record["mma"] > 0, f"sm_{cc}: tl.dot on fp8 did not use tensor cores"
 
 
 def test_bf16_on_sm75_is_refused_whatever_triton_does(compiled):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from mpgpt.optim16 import VARIANTS, AdamW16, Coefficients, coefficients, step_seed
+from mpgpt.optim16 import VARIANTS, AdamW16, Coefficients
 
 from . import env as kenv
 from .env import tl, triton
@@ -185,20 +185,9 @@ class FusedAdamW16(AdamW16):
                                     f"with strides {p.stride()}: make it contiguous (p.data = p.data.contiguous()) "
                                     "before building the optimizer, or use mpgpt.optim16.AdamW16")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.steps += 1
-        key = step_seed(self.seed, self.steps)
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            c = coefficients(group["lr"], b1, b2, group["eps"], group["weight_decay"], self.steps)
-            for p in group["params"]:
-                if p.grad is not None:
-                    state = self.state[p]
-                    adamw16_fused(p.view(-1), p.grad.contiguous().view(-1), state, self.variant, c, key,
-                                  state["offset"])
-        return loss
+    def _update_group(self, params, flat, offset, c, key) -> None:
+        """The group's step as one kernel launch per parameter, at the parameter's own flat offset."""
+        for p in params:
+            if p.grad is not None:
+                state = self.state[p]
+                adamw16_fused(p.view(-1), p.grad.contiguous().view(-1), state, self.variant, c, key, state["offset"])

@@ -37,6 +37,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mpgpt.fused_loss import rescale_summed_grads, save_summed_grads
+
 from . import env
 from .env import tl, triton
 
@@ -170,16 +172,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x, weight, targets, compute_dtype):
         # x (N, C), weight (V, C), targets (N,) with -1 for "ignore"
         loss_sum, grad_x, grad_w = linear_cross_entropy_op(x.to(compute_dtype), weight.to(compute_dtype), targets, True)
-        n_valid = (targets != -1).sum().clamp_min(1).to(torch.float32)
-        ctx.save_for_backward(grad_x, grad_w, n_valid)
-        ctx.dtypes = (x.dtype, weight.dtype)
-        return loss_sum / n_valid
+        return save_summed_grads(ctx, loss_sum, grad_x, grad_w, targets, x.dtype, weight.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_x, grad_w, n_valid = ctx.saved_tensors
-        scale = grad_out.to(torch.float32) / n_valid
-        return (grad_x * scale).to(ctx.dtypes[0]), (grad_w * scale).to(ctx.dtypes[1]), None, None
+        return (*rescale_summed_grads(ctx, grad_out), None, None)
 
 
 def fused_linear_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor) -> Tensor:

@@ -101,7 +101,17 @@ def fp8_matmul_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    # Epilogue: the scales factor out of the K sum, so they are applied once, in fp32.
+    _scaled_epilogue(acc, rm, rn, M, N, c_ptr, stride_cm, stride_cn, scale_a_ptr, scale_b_ptr, out_scale_ptr,
+                     amax_ptr, OUT_MAX, ROWWISE, OUT_FP8, UPCAST)
+
+
+@triton.jit
+def _scaled_epilogue(acc, rm, rn, M, N, c_ptr, stride_cm, stride_cn, scale_a_ptr, scale_b_ptr, out_scale_ptr,
+                     amax_ptr, OUT_MAX: tl.constexpr, ROWWISE: tl.constexpr, OUT_FP8: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    """Both kernels' epilogue for the (BLOCK_M, BLOCK_N) tile at rows rm, columns rn. The scales
+    factor out of the K sum, so they are applied once, in fp32; an fp8 output is scaled, clamped
+    (saturation) and cast, and the tile's largest |c| goes into the amax."""
     if ROWWISE:
         sa = tl.load(scale_a_ptr + rm, mask=rm < M, other=0.0)
         sb = tl.load(scale_b_ptr + rn, mask=rn < N, other=0.0)
@@ -175,20 +185,8 @@ def fp8_matmul_tma_kernel(
         pid_m, pid_n = tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if ROWWISE:
-            sa = tl.load(scale_a_ptr + rm, mask=rm < M, other=0.0)
-            sb = tl.load(scale_b_ptr + rn, mask=rn < N, other=0.0)
-            acc = acc * sa[:, None] * sb[None, :]
-        else:
-            acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-        if OUT_FP8:
-            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(mask, tl.abs(acc), 0.0), axis=1), axis=0))
-            y = tl.clamp(acc * tl.load(out_scale_ptr), -OUT_MAX, OUT_MAX)
-            tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        _scaled_epilogue(acc, rm, rn, M, N, c_ptr, stride_cm, stride_cn, scale_a_ptr, scale_b_ptr, out_scale_ptr,
+                         amax_ptr, OUT_MAX, ROWWISE, OUT_FP8, False)
 
 
 fp8_matmul_tma_autotuned = triton.autotune(configs=TMA_CONFIGS, key=["M", "N", "K", "ROWWISE", "OUT_FP8", "PROMOTE"])(
