@@ -161,6 +161,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tag", default=None, type=check_tag, help="appended to the file name")
     parser.add_argument("--train-steps", type=int, default=RunConfig.steps, help="steps of each training run")
     parser.add_argument("--parts", default="step", help=f"comma-separated, from: {', '.join(PARTS)} (default: step)")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="train only the named variants, not torch-amp first (to split one comparison "
+                             "across several runs)")
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     if args.train_steps < 200:
@@ -196,7 +199,8 @@ def main(argv=None) -> int:
     if "training" in parts:
         cfg = RunConfig(steps=args.train_steps)
         result["training"] = {}
-        for name in ["torch-amp", *variants]:   # recorded after each run: a cut-short run keeps what it measured
+        names = variants if args.no_baseline else ["torch-amp", *variants]
+        for name in names:   # recorded after each run: a cut-short run keeps what it measured
             result["training"].update(bench_training([name], args.preset, cfg))
             path = write_result("optim16", result, args.out_dir, tag=args.tag, command=command)
     print(f"wrote {path}")
