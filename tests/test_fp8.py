@@ -291,6 +291,17 @@ def test_fp8_kernel_writes_fp8_output_and_its_amax():
     assert (c8.float().abs() == 448).any()
 
 
+def test_fp8_kernel_takes_scales_as_numbers_or_tensors():
+    """Python-number scales are filled in on the device (no host copy); they must mean the same as tensors."""
+    km, dev = kernel_or_skip(), device_for_kernel()
+    qa, qb = fp8.quantize(torch.randn(48, 64, device=dev)), fp8.quantize(torch.randn(32, 64, device=dev))
+    sa, sb = qa.scale.item(), qb.scale.item()
+    c_num = km.fp8_matmul(qa.data, qb.data, sa, sb, out_dtype=torch.float32)
+    c_ten = km.fp8_matmul(qa.data, qb.data, qa.scale, qb.scale, out_dtype=torch.float32)
+    assert torch.equal(c_num, c_ten)
+    assert torch.equal(km.fp8_matmul(qa.data, qb.data, 2 * sa, sb, out_dtype=torch.float32), 2 * c_ten)
+
+
 def test_fp8_kernel_refuses_bad_operands():
     km, dev = kernel_or_skip(), device_for_kernel()
     q = fp8.quantize(torch.randn(32, 256, device=dev))
