@@ -77,6 +77,9 @@ run lab-gpu "$py" "$here/lab_gpu_check.py" --out-dir "$out"
 run optim16 "$py" -m mpgpt.bench optim16 --out-dir "$out"
 run optim16-training "$py" -m mpgpt.bench optim16 --parts training --train-steps 1000 \
     --variants fp32-master,bf16,bf16-sr,bf16-kahan,all-bf16-sr --out-dir "$out"
+# Every variant for 3000 steps (record optim16-long-h200, recorded three runs at a time; one after
+# another, as here, it takes about 15 minutes on an H200).
+run optim16-long "$py" -m mpgpt.bench optim16 --parts training --train-steps 3000 --tag long --out-dir "$out"
 
 # Chapter 9: fp8 GEMMs, the layer map, accumulation, and the 2000-step runs (records fp8-h200 and
 # fp8-training-h200). Only on a GPU with fp8 tensor cores (sm_89+); the bench says so otherwise.

@@ -39,6 +39,7 @@ RECORDS = {
     "fp8-training-h200": "GPT-2 small, 2000 steps: bf16 (two seeds) against fp8 in the output layer (chapter 9)",
     "optim16-h200": "one AdamW step at GPT-2 small's size: the fused 16-bit variants against torch's fused AdamW (chapter 10)",
     "optim16-training-h200": "GPT-2 small, 1000 steps with each optimizer-storage variant (chapter 10)",
+    "optim16-long-h200": "GPT-2 small, 3000 steps with every optimizer-storage variant, three runs sharing the GPU (chapter 10)",
     "lab-gpu-h200": "the NaN lab on a GPU: hidden syncs, the grader's compiled checks, the scripts' times (the NaN lab)",
 }
 
