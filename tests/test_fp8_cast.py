@@ -224,12 +224,14 @@ def test_fused_cast_is_bit_identical_on_the_gpu(recipe):
     fc = kernels_or_skip()
     if not runtime.current().fp8:
         pytest.skip("needs fp8 conversion instructions (sm_89+)")
+    # each signature twice: the second call replays the compiled launch (fp8_cast._LAUNCHES)
     for R, K in [(1000, 770), (768, 3072), (4099, 129)]:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            x = spread_rows(R, K, dtype=dtype, device="cuda")
             for fmt in FORMATS:
                 for transpose in (False, True):
-                    for amax in ([None] if recipe != "delayed" else [history_amax(x), history_amax(x, (0.1, 0.5))]):
+                    for repeat in range(2):
+                        x = spread_rows(R, K, dtype=dtype, device="cuda")
+                        amax = None if recipe != "delayed" else history_amax(x, (0.1, 2.0))   # often saturating
                         q = fc.fused_quantize(x, fmt, recipe, amax=amax, transpose=transpose)
                         assert_same(q, fp8.quantize(x.t() if transpose else x, fmt, recipe, amax=amax))
 
@@ -241,3 +243,53 @@ def test_fp8_linear_chooses_the_fused_cast_on_fp8_tensor_cores():
         pytest.skip("needs fp8 tensor cores (sm_89+)")
     layer = fp8.Fp8Linear(768, 3072, device="cuda")
     assert layer._fuse_casts((8192, 768), (3072, 768), E4M3, E4M3, torch.device("cuda"))
+
+
+# --- compiled ahead of time for the fp8 GPUs (no GPU needed) -------------------------------------------
+def compile_cast_kernel(cc: int) -> str:
+    """The PTX of the cast kernel for sm_<cc>: bf16 in, e4m3 out, rowwise scales, a given amax
+    (every branch that runs on a GPU), transposed read (stride_r = 1, as Triton specialises it)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from mpgpt.kernels import fp8_cast
+
+    ints = ["R", "C", "stride_c", "stride_out"]
+    constexprs = dict(FMAX=448.0, ROWWISE=True, GIVEN=True, UPCAST=False, stride_r=1, **fp8_cast.TILE)
+    signature = {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "amax_ptr": "*fp32", "current_ptr": "*fp32",
+                 "scale_ptr": "*fp32"} | {n: "i32" for n in ints} | {n: "constexpr" for n in constexprs}
+    source = triton.compiler.ASTSource(fn=fp8_cast._cast_kernel, signature=signature, constexprs=constexprs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=fp8_cast.NUM_WARPS))
+    return kernel.asm["ptx"]
+
+
+def test_the_cast_kernel_compiles_for_fp8_gpus_and_rounds_to_nearest():
+    """Compiled for the L4 (sm_89) and Hopper (sm_90) in a child process (TRITON_INTERPRET=0): the
+    conversion is cvt.rn.satfinite (round to nearest even, as torch), the scale 1/s a correctly
+    rounded division (div.rn: exact for a power of two)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.compiler")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, __file__, "89", "90"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    for cc in ("89", "90"):
+        assert "cvt.rn.satfinite.e4m3x2.f32" in found[cc], found[cc]
+        assert "div.rn.f32" in found[cc], found[cc]
+
+
+if __name__ == "__main__":   # the child process of the test above
+    import json
+    import os
+    import re
+    import sys
+
+    os.environ["TRITON_INTERPRET"] = "0"
+    print(json.dumps({cc: sorted(set(re.findall(r"(?:cvt|div)\.[\w.]+", compile_cast_kernel(int(cc)))))
+                      for cc in sys.argv[1:]}))
