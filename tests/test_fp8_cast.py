@@ -225,7 +225,7 @@ def test_fused_cast_is_bit_identical_on_the_gpu(recipe):
     if not runtime.current().fp8:
         pytest.skip("needs fp8 conversion instructions (sm_89+)")
     # each signature twice: the second call replays the compiled launch (fp8_cast._LAUNCHES)
-    for R, K in [(1000, 770), (768, 3072), (4099, 129)]:
+    for R, K in [(1000, 770), (768, 3072)]:          # ragged (masks, unaligned strides), and GPT-2 width
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for fmt in FORMATS:
                 for transpose in (False, True):
