@@ -377,9 +377,11 @@ class Fp8Linear(nn.Module):
     def _fuse_casts(self, a_shape, b_shape, a_fmt, b_fmt, device) -> bool:
         """Whether to cast with the fused Triton kernels: when the product runs on fp8 tensor cores
         (the decision matmul_backend makes after the casts) and Triton compiles for the GPU."""
+        if self.recipe == "block":
+            return False              # block scales vary along K: mpgpt.fp8.quantize casts them
         if self._fused is not None:
             return self._fused
-        if self.backend == "emulated" or self.recipe == "block":
+        if self.backend == "emulated":
             return False
         rt = runtime.current(device)
         if tensor_core_problem(rt, (self.recipe,), (a_fmt.dtype, b_fmt.dtype), (*a_shape, b_shape[0])) is not None:

@@ -211,6 +211,9 @@ def test_fp8_linear_fuses_only_where_the_gemm_runs_on_fp8_tensor_cores(monkeypat
         assert layer._fuse_casts(*shapes) == (cc >= (8, 9)), name
     assert not layer._fuse_casts((100, 64), (32, 64), E4M3, E4M3, "cuda")   # not a multiple of 16: emulated
     assert not fp8.Fp8Linear(64, 32, recipe="block")._fuse_casts(*shapes)
+    forced = fp8.Fp8Linear(64, 32, recipe="block")
+    forced._fused = True
+    assert not forced._fuse_casts(*shapes)                                  # block: never, even when forced
     assert not fp8.Fp8Linear(64, 32, backend="emulated")._fuse_casts(*shapes)
     monkeypatch.setattr(env, "kernels_available", lambda: (False, "Triton is not installed"))
     assert not layer._fuse_casts(*shapes)
