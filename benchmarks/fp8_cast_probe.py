@@ -4,11 +4,12 @@ Two parts, each on bf16 activations of 8192 tokens at GPT-2's c_fc shape (768 ->
 
 1. cast: one cast of x (8192, 768) and of x.T (the backward pass's operand), tensorwise and
    rowwise, fused (mpgpt.kernels.fp8_cast.fused_quantize) against quantize (for x.T: quantize of
-   the view, then the .contiguous() copy torch._scaled_mm needs). GPU time from do_bench (CUDA
-   events, median) and host time per call (calls queued behind a busy GPU, so Python never waits).
+   the view, then the .contiguous() copy torch._scaled_mm needs). Event time from do_bench (CUDA
+   events around each call, median: the GPU's time, or the host's where the call is host-bound)
+   and host time per call (calls queued behind a busy GPU, so Python never waits).
 2. layer: Fp8Linear forward + backward (tensorwise, rowwise, delayed) with the fused cast and with
    the eager one (the layer's private switch ``_fused``), against nn.Linear under bf16 autocast:
-   wall time per step (20 steps back to back), host time per step, and GPU time (do_bench).
+   wall time per step (20 steps back to back), host time per step, and do_bench's event time.
 
 Each fused cast is also checked bit for bit against quantize before it is timed.
 Run on a GPU with fp8 (sm_89+): python benchmarks/fp8_cast_probe.py [--out-dir DIR]
@@ -77,10 +78,10 @@ def bench_cast():
             row = {"recipe": recipe, "operand": "x.T" if transpose else "x", "shape": list(view.shape),
                    "bit_identical": same_bits(fused(), fp8.quantize(view, fp8.E4M3, recipe))}
             for name, fn in (("fused", fused), ("eager", eager)):
-                row[name] = {"gpu_us": gpu_us(fn), "host_us": host_us(fn)}
+                row[name] = {"event_us": gpu_us(fn), "host_us": host_us(fn)}
             rows.append(row)
-            print(f"cast {recipe:>10} {row['operand']:>3}: fused {row['fused']['gpu_us']:6.1f} us GPU, "
-                  f"{row['fused']['host_us']:6.1f} us host | eager {row['eager']['gpu_us']:6.1f} us GPU, "
+            print(f"cast {recipe:>10} {row['operand']:>3}: fused {row['fused']['event_us']:6.1f} us events, "
+                  f"{row['fused']['host_us']:6.1f} us host | eager {row['eager']['event_us']:6.1f} us events, "
                   f"{row['eager']['host_us']:6.1f} us host | bit-identical {row['bit_identical']}", flush=True)
     return rows
 
@@ -109,10 +110,10 @@ def bench_layer():
             cases[f"fp8_{recipe}_{'fused' if fused else 'eager'}"] = layer
     for name, layer in cases.items():
         fn = step(layer)
-        row = {"case": name, "wall_us": wall_us(fn), "host_us": host_us(fn, n=20), "gpu_us": gpu_us(fn)}
+        row = {"case": name, "wall_us": wall_us(fn), "host_us": host_us(fn, n=20), "event_us": gpu_us(fn)}
         rows.append(row)
         print(f"step {name:>24}: wall {row['wall_us']:7.0f} us | host {row['host_us']:7.0f} us | "
-              f"GPU {row['gpu_us']:7.0f} us", flush=True)
+              f"events {row['event_us']:7.0f} us", flush=True)
     return rows
 
 
