@@ -2,7 +2,7 @@
 
 Map of the package, in layers: each module imports only from the layers above it in this list,
 runtime from no other mpgpt module, the layer-1 modules (formats to results, optim16 and ddp_by_hand) from runtime at most, and model reaches down to kernels only
-inside GPT.use_triton, since Triton is optional (tests/test_layering.py checks all of it). Each module's docstring names the chapter that teaches it.
+inside GPT.use_triton (fp8 only inside Fp8Linear's fused cast), since Triton is optional (tests/test_layering.py checks all of it). Each module's docstring names the chapter that teaches it.
 
     runtime      what the device can do: capability, memory, Triton; about()      all
     formats      bit-level views of fp32 / fp16 / bf16 / fp8                      chapter 1

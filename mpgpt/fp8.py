@@ -33,6 +33,7 @@ error of half the smallest subnormal (in scaled units) below it.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -161,11 +162,12 @@ class DelayedScaling:
     amax_history: torch.Tensor | None = None   # (history,), newest first
     steps: int = 0
 
-    def quantize(self, x: torch.Tensor, fmt=E4M3, record: bool = True) -> ScaledFp8:
+    def quantize(self, x: torch.Tensor, fmt=E4M3, record: bool = True, cast=None) -> ScaledFp8:
         """Cast with the scale the history gives; ``record=False`` for a second cast of the same
-        tensor in one step (the backward pass casts x, w and g twice)."""
+        tensor in one step (the backward pass casts x, w and g twice). ``cast``: the function that
+        quantizes (default :func:`quantize`; Fp8Linear passes the fused Triton cast on fp8 GPUs)."""
         amax = self.amax_history.amax() if self.steps else None
-        q = quantize(x, fmt, "delayed", amax=amax)
+        q = (cast or quantize)(x, fmt, "delayed", amax=amax)
         if record:
             self.record(q.amax)
         return q
@@ -197,23 +199,30 @@ def matmul_backend(a: ScaledFp8, b: ScaledFp8, backend: str = "auto") -> tuple[s
         raise ValueError(f"backend {backend!r}: choose auto, torch or emulated")
     if backend == "emulated":
         return "emulated", "asked for emulation"
-    rt = runtime.current(a.data.device)
-    why = None
-    if not rt.on_gpu:
-        why = "no GPU: emulated (dequantise, matmul in fp32)"
-    elif not rt.fp8:
-        why = f"{rt.name} (sm_{rt.capability[0]}{rt.capability[1]}) has no fp8 tensor cores (sm_89+): emulated"
-    elif a.recipe == "block" or b.recipe == "block":
-        why = "block scales: emulated (torch._scaled_mm is used for tensorwise and rowwise scales only)"
-    elif a.data.dtype == b.data.dtype == torch.float8_e5m2:
-        why = "e5m2 x e5m2 has no tensor-core instruction: emulated"
-    elif any(d % 16 for d in (*a.data.shape, b.data.shape[0])):
-        why = "a dimension is not a multiple of 16 (torch._scaled_mm needs that): emulated"
+    why = tensor_core_problem(runtime.current(a.data.device), (a.recipe, b.recipe), (a.data.dtype, b.data.dtype),
+                              (*a.data.shape, b.data.shape[0]))
     if why is None:
         return "torch", "fp8 tensor cores through torch._scaled_mm"
     if backend == "torch":
         raise RuntimeError(f"torch._scaled_mm cannot run this product: {why}")
     return "emulated", why
+
+
+def tensor_core_problem(rt: runtime.Runtime, recipes, dtypes, dims) -> str | None:
+    """Why torch._scaled_mm cannot multiply two fp8 operands on ``rt``'s device, or None if it can:
+    ``recipes`` and ``dtypes`` of both operands, ``dims`` = (M, K, N). Asked before the casts too,
+    by Fp8Linear, which casts with the fused Triton kernel only when the product runs on tensor cores."""
+    if not rt.on_gpu:
+        return "no GPU: emulated (dequantise, matmul in fp32)"
+    if not rt.fp8:
+        return f"{rt.name} (sm_{rt.capability[0]}{rt.capability[1]}) has no fp8 tensor cores (sm_89+): emulated"
+    if "block" in recipes:
+        return "block scales: emulated (torch._scaled_mm is used for tensorwise and rowwise scales only)"
+    if all(d == torch.float8_e5m2 for d in dtypes):
+        return "e5m2 x e5m2 has no tensor-core instruction: emulated"
+    if any(d % 16 for d in dims):
+        return "a dimension is not a multiple of 16 (torch._scaled_mm needs that): emulated"
+    return None
 
 
 def scaled_matmul(a: ScaledFp8, b: ScaledFp8, out_dtype=torch.float32, backend: str = "auto",
@@ -234,8 +243,9 @@ def scaled_matmul(a: ScaledFp8, b: ScaledFp8, out_dtype=torch.float32, backend: 
     scale_a = a.scale.expand(a.data.shape[0], 1).contiguous() if rowwise else a.scale
     scale_b = b.scale.expand(b.data.shape[0], 1).t().contiguous() if rowwise else b.scale  # (1, N)
     mm_dtype = torch.bfloat16 if rowwise else out_dtype                        # rowwise wants bf16 output
-    # cuBLASLt multiplies only a row-major a by a column-major b: the backward pass's transposed
-    # operands (g.T, x.T, w.T) arrive as strided views and are copied into that layout (1 byte each)
+    # cuBLASLt multiplies only a row-major a by a column-major b. .contiguous() returns a row-major
+    # tensor itself, without a copy: the fused cast writes the backward pass's transposed operands
+    # (g.T, x.T, w.T) row-major already; the unfused quantize casts strided views, copied here (1 byte each)
     out = torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=scale_a, scale_b=scale_b, out_dtype=mm_dtype,
                            use_fast_accum=use_fast_accum)
     return out.to(out_dtype)
@@ -303,8 +313,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         layer = ctx.layer
         with torch.autocast(g.device.type, enabled=False):
             g = g.contiguous()
-            dx = layer._mm(g, weight.t(), "g", "w", E5M2, E4M3, x.dtype, (True, False))      # (M, N) . (K, N) -> (M, K)
-            dw = layer._mm(g.t(), x.t(), "g", "x", E5M2, E4M3, weight.dtype, (False, False))  # (N, M) . (K, M) -> (N, K)
+            # transposed operands are passed untransposed with a flag: the fused cast reads them in place
+            dx = layer._mm(g, weight, "g", "w", E5M2, E4M3, x.dtype, (True, False), (False, True))  # (M, N) . (K, N) -> (M, K)
+            dw = layer._mm(g, x, "g", "x", E5M2, E4M3, weight.dtype, (False, False), (True, True))   # (N, M) . (K, M) -> (N, K)
             db = g.float().sum(0).to(weight.dtype) if ctx.has_bias else None
         return dx, dw, db, None
 
@@ -317,7 +328,11 @@ class Fp8Linear(nn.Module):
 
     On sm_89+ tensorwise, rowwise and delayed recipes run on fp8 tensor cores (torch._scaled_mm);
     block scales, a CPU and GPUs without fp8 (T4, A100) run emulated — the same numbers up to
-    summation order, at fp32 speed. ``backend_reason()`` says which."""
+    summation order, at fp32 speed. ``backend_reason()`` says which. On fp8 tensor cores with
+    Triton, the casts run as mpgpt.kernels.fp8_cast's fused kernels (the same bits, two launches
+    each instead of about a dozen torch operations, transposed operands read in place)."""
+
+    _fused: bool | None = None   # the fused cast: None decides from the device; True/False force it (tests)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: str = "tensorwise",
                  backend: str = "auto", history: int = 16, device=None, dtype=None):
@@ -345,17 +360,44 @@ class Fp8Linear(nn.Module):
         layer.weight, layer.bias = linear.weight, linear.bias
         return layer
 
-    def _quantize(self, t: torch.Tensor, name: str, fmt, record: bool) -> ScaledFp8:
+    def _quantize(self, t: torch.Tensor, name: str, fmt, record: bool, transpose: bool = False,
+                  fused: bool = False) -> ScaledFp8:
+        """``t`` (or ``t.T`` with ``transpose``) cast to fp8 with the layer's recipe."""
+        if fused:
+            from mpgpt.kernels.fp8_cast import fused_quantize  # imported here: Triton is optional
+            cast = functools.partial(fused_quantize, transpose=transpose)
+        else:
+            cast, t = quantize, (t.t() if transpose else t)
         if self.recipe == "delayed":
-            return self.history[name].quantize(t, fmt, record)
+            return self.history[name].quantize(t, fmt, record, cast=cast)
         if self.recipe == "block" and t.shape[1] % BLOCK:
             return quantize(t, fmt, "rowwise")  # a reduction shorter than a block, or ragged: one scale per row
-        return quantize(t, fmt, self.recipe)
+        return cast(t, fmt, self.recipe)
 
-    def _mm(self, a, b, a_name, b_name, a_fmt, b_fmt, out_dtype, record=(True, True)):
+    def _fuse_casts(self, a_shape, b_shape, a_fmt, b_fmt, device) -> bool:
+        """Whether to cast with the fused Triton kernels: when the product runs on fp8 tensor cores
+        (the decision matmul_backend makes after the casts) and Triton compiles for the GPU."""
+        if self.recipe == "block":
+            return False              # block scales vary along K: mpgpt.fp8.quantize casts them
+        if self._fused is not None:
+            return self._fused
+        if self.backend == "emulated":
+            return False
+        rt = runtime.current(device)
+        if tensor_core_problem(rt, (self.recipe,), (a_fmt.dtype, b_fmt.dtype), (*a_shape, b_shape[0])) is not None:
+            return False
+        from mpgpt.kernels import env  # imported here: Triton is optional
+        return not env.interpreting() and env.kernels_available()[0]
+
+    def _mm(self, a, b, a_name, b_name, a_fmt, b_fmt, out_dtype, record=(True, True), transpose=(False, False)):
         """a (R, K) . b (C, K) -> (R, C), both cast to fp8 along K; ``record``: whether each cast
-        enters the delayed recipe's amax history (once per tensor and step)."""
-        qa, qb = self._quantize(a, a_name, a_fmt, record[0]), self._quantize(b, b_name, b_fmt, record[1])
+        enters the delayed recipe's amax history (once per tensor and step); ``transpose``: whether
+        a and b are given as (K, R) and (K, C), to be cast transposed."""
+        a_shape = a.shape[::-1] if transpose[0] else a.shape
+        b_shape = b.shape[::-1] if transpose[1] else b.shape
+        fused = self._fuse_casts(a_shape, b_shape, a_fmt, b_fmt, a.device)
+        qa = self._quantize(a, a_name, a_fmt, record[0], transpose[0], fused)
+        qb = self._quantize(b, b_name, b_fmt, record[1], transpose[1], fused)
         return scaled_matmul(qa, qb, out_dtype=out_dtype, backend=self.backend)
 
     def backend_reason(self, device=None) -> str:
