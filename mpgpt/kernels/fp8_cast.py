@@ -24,8 +24,11 @@ The result is bit for bit what mpgpt.fp8.quantize returns, data, scale and amax:
   exponent bits of the fp32 quotient (a bitcast, exact, where a log2 approximation could land on
   the wrong side of a power of two), then checks both neighbours with products amax * s, which
   are exact in fp32 for a power of two s, so a quotient one rounding off changes nothing;
-* multiplying by a power of two is exact, so only the final cast rounds: to nearest even, in
-  the fp8 conversion instruction of sm_89+ GPUs as in torch.
+* multiplying by a power of two is exact, so only the final cast rounds, to nearest even as in
+  torch. The kernel does that rounding itself, in fp32 (_round_to_grid), and leaves the
+  conversion instruction nothing to round: Triton's fp32 -> fp8 conversion differs between
+  releases (3.9 emits one cvt.rn from fp32; 3.6 on Hopper was seen to go through fp16 first, with
+  a round-toward-zero step, and rounding twice can land on the other neighbour).
 
 The input is read through its strides, so ``transpose=True`` casts x.T (the backward pass's
 operands g.T, x.T, w.T) straight from x, and the output is written row-major in the transposed
@@ -84,9 +87,27 @@ def _multiplier(amax, FMAX: tl.constexpr):
 
 
 @triton.jit
+def _round_to_grid(y, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """y (fp32, |y| <= the format's largest value) rounded to nearest even onto the fp8 format's
+    values: MBITS stored mantissa bits, EMIN the smallest normal exponent. In the binade
+    [2^e, 2^(e+1)) the values are 2^(e - MBITS) apart, and subnormals keep the spacing of the
+    smallest binade; y / spacing is exact (a power of two), and adding then subtracting 1.5 * 2^23
+    rounds it to an integer, to nearest even, as every fp32 addition rounds."""
+    a = tl.abs(y)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127                # floor(log2 a) for normal a
+    e = tl.maximum(e, EMIN)                                                 # subnormals: the smallest spacing
+    spacing = ((e - MBITS + 127) << 23).to(tl.float32, bitcast=True)        # 2^(e - MBITS)
+    inverse = ((MBITS - e + 127) << 23).to(tl.float32, bitcast=True)        # 2^(MBITS - e), exact
+    r = ((a * inverse + 12582912.0) - 12582912.0) * spacing                 # 12582912 = 1.5 * 2^23
+    y_bits = y.to(tl.int32, bitcast=True)
+    sign = (y_bits >> 31) << 31                                             # y's sign bit (so -0 stays -0)
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _cast_kernel(x_ptr, out_ptr, amax_ptr, current_ptr, scale_ptr, R, C, stride_r, stride_c, stride_out,
-                 FMAX: tl.constexpr, ROWWISE: tl.constexpr, GIVEN: tl.constexpr, UPCAST: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                 FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, ROWWISE: tl.constexpr,
+                 GIVEN: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """out (R, C) row-major <- clamp(x * s, +-FMAX) in fp8 (fp32 when UPCAST), s from amax_ptr;
     scale_ptr <- 1/s. GIVEN: amax_ptr is a given (delayed) amax, so also fold this tensor's own
     amax into current_ptr (fp32, zeroed)."""
@@ -112,11 +133,12 @@ def _cast_kernel(x_ptr, out_ptr, amax_ptr, current_ptr, scale_ptr, R, C, stride_
             tl.atomic_max(current_ptr + rr, tl.max(a, axis=1), mask=rr < R)
         else:
             tl.atomic_max(current_ptr, tl.max(tl.max(a, axis=1), axis=0))
+    y = _round_to_grid(y, MBITS, EMIN)          # fp8 values now: the conversion below is exact
     out_ptrs = out_ptr + rr[:, None] * stride_out + rc[None, :]
     if UPCAST:
         tl.store(out_ptrs, y, mask=mask)
     else:
-        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)    # round to nearest even
+        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def check_cast_device(t: torch.Tensor) -> None:
@@ -184,7 +206,7 @@ def fused_quantize(x: torch.Tensor, fmt=E4M3, recipe: str = "tensorwise", amax: 
         compiled = _amax_kernel[grid](*args, **kwargs, num_warps=NUM_WARPS)
         amax_launch = None if key is None else compiled_launch(_amax_kernel, compiled, grid, args, kwargs, n_tensors=2)
     args = (x, data, current if used is None else used, current, scale, R, C, stride_r, stride_c, data.stride(0))
-    kwargs = dict(FMAX=fmt.max_finite, ROWWISE=rowwise, GIVEN=used is not None, UPCAST=upcast, **TILE)
+    kwargs = dict(FMAX=fmt.max_finite, MBITS=fmt.mantissa_bits, EMIN=fmt.emin, ROWWISE=rowwise, GIVEN=used is not None, UPCAST=upcast, **TILE)
     compiled = _cast_kernel[grid](*args, **kwargs, num_warps=NUM_WARPS)
     if key is not None:
         cast_launch = compiled_launch(_cast_kernel, compiled, grid, args, kwargs, n_tensors=5)
