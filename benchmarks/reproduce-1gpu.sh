@@ -7,6 +7,7 @@
 #   lab-gpu-h200          python benchmarks/lab_gpu_check.py
 #   optim16-h200, optim16-training-h200   python -m mpgpt.bench optim16 (--parts training)
 #   fp8-h200, fp8-training-h200           python -m mpgpt.bench fp8 (needs sm_89+: skipped below that)
+#   fp8-cast-h200                         benchmarks/fp8_cast_probe.py (sm_89+)
 #
 # Needs only the package installed from the repository (`pip install .`) and a GPU.
 #   bash benchmarks/reproduce-1gpu.sh [OUT_DIR]      # OUT_DIR defaults to ./results
@@ -85,7 +86,8 @@ run optim16-long "$py" -m mpgpt.bench optim16 --parts training --train-steps 300
 # fp8-training-h200). Only on a GPU with fp8 tensor cores (sm_89+); the bench says so otherwise.
 if "$py" -c "import sys, mpgpt.runtime as r; sys.exit(0 if r.current().fp8 else 1)"; then
   run fp8 "$py" -m mpgpt.bench fp8 --parts gemm,crossover,accumulation --out-dir "$out"
-  run fp8-training "$py" -m mpgpt.bench fp8 --parts training --train-runs bf16,bf16_seed1,fp8_lm_head --out-dir "$out"
+  run fp8-training "$py" -m mpgpt.bench fp8 --parts training --train-runs bf16,bf16_seed1,fp8_lm_head,fp8_all_linear --out-dir "$out"
+  run fp8-cast "$py" "$here/fp8_cast_probe.py" --out-dir "$out"
 fi
 
 echo
