@@ -369,6 +369,34 @@ def test_fp8_kernel_agrees_with_scaled_mm():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_kernel_replayed_launch_matches_the_first(recipe, out_dtype):
+    """A repeat call with the same signature replays the remembered launch (no Triton launch path):
+    on new inputs it must give exactly what the ordinary path gives (MPGPT_LEAN_LAUNCH=0)."""
+    km = kernel_or_skip()
+    if not runtime.current().fp8:
+        pytest.skip("needs fp8 tensor cores (sm_89+)")
+    out_scale = 2.0**-4 if out_dtype == torch.float8_e4m3fn else None
+    for M, N, K in [(512, 384, 1024), (200, 72, 100)]:         # TMA kernel; the pointer kernel (rows of 100 bytes)
+        results = []
+        for _ in range(3):                                      # first call, then two replays
+            qa = fp8.quantize(torch.randn(M, K, device="cuda"), E4M3, recipe)
+            qb = fp8.quantize(torch.randn(N, K, device="cuda"), E4M3, recipe)
+            got = km.fp8_matmul(qa.data, qb.data, qa.scale, qb.scale, out_dtype=out_dtype, out_scale=out_scale)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("MPGPT_LEAN_LAUNCH", "0")
+                ref = km.fp8_matmul(qa.data, qb.data, qa.scale, qb.scale, out_dtype=out_dtype, out_scale=out_scale)
+            if out_dtype == torch.float8_e4m3fn:
+                assert torch.equal(got[1], ref[1])               # the same amax
+                got, ref = got[0], ref[0]
+            assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
+                               ref.view(torch.uint8) if ref.element_size() == 1 else ref)
+            results.append(got)
+        assert not torch.equal(results[1], results[2])          # new inputs, new products: not a stale output
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
 def test_fp8_linear_on_fp8_tensor_cores_is_within_the_bound(recipe):
     if not runtime.current().fp8:

@@ -42,6 +42,7 @@ from mpgpt.fp8 import E4M3, E5M2, ScaledFp8
 from . import env
 from .env import tl, triton
 from .epilogue import tile_coords
+from .launch import compiled_launch, lean_launch_enabled
 from .tma import set_allocator
 
 FP8_DTYPES = {torch.float8_e4m3fn: E4M3, torch.float8_e5m2: E5M2}
@@ -254,43 +255,76 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out_dtype=tor
         raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: give a (M, K) and b (N, K) with the same K")
     if a.dtype == b.dtype == torch.float8_e5m2:
         raise TypeError("e5m2 x e5m2 has no tensor-core instruction; keep one operand in e4m3fn")
-    check_fp8_device(a)
     M, K = a.shape
     N = b.shape[0]
+    out_fp8 = out_dtype in FP8_DTYPES
+    if out_fp8 and out_scale is None:
+        raise ValueError("an fp8 output needs out_scale, the multiplier before the cast (mpgpt.fp8.scale_from_amax)")
     sa, row_a = _scale_vector(scale_a, M, "scale_a", a.device)
     sb, row_b = _scale_vector(scale_b, N, "scale_b", a.device)
     if row_a != row_b:  # one of each: broadcast the single one, the kernel then reads vectors
         sa, sb = sa.expand(M).contiguous(), sb.expand(N).contiguous()
     rowwise = row_a or row_b
-    out_fp8 = out_dtype in FP8_DTYPES
-    if out_fp8 and out_scale is None:
-        raise ValueError("an fp8 output needs out_scale, the multiplier before the cast (mpgpt.fp8.scale_from_amax)")
+    key = None
+    if a.is_cuda and not env.interpreting() and lean_launch_enabled():
+        # Everything that decides the launch (launch.py): with it, a repeat call skips the checks
+        # and Triton's Python launch path, which cost more host time than a 4096^3 GEMM takes.
+        key = (a.device.index, env.capability(a.device), a.dtype, b.dtype, out_dtype, M, N, K, a.stride(), b.stride(),
+               a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0, rowwise, promote)
+    remembered = _LAUNCHES.get(key) if key is not None else None
+    if remembered is None:
+        check_fp8_device(a)
     upcast = env.interpreting()
-    store_dtype = torch.float32 if upcast else out_dtype
-    c = torch.empty(M, N, device=a.device, dtype=store_dtype)
-    amax = torch.zeros(1, device=a.device, dtype=torch.float32)
-    out_scale_t = _as_device_vector(1.0 if out_scale is None else out_scale, a.device)
+    c = torch.empty(M, N, device=a.device, dtype=torch.float32 if upcast else out_dtype)
+    # the amax is written only for an fp8 output, and out_scale read only then: otherwise placeholders
+    amax = torch.zeros(1, device=a.device, dtype=torch.float32) if out_fp8 else sa
+    out_scale_t = _as_device_vector(out_scale, a.device) if out_fp8 else sa
+    if remembered is not None:
+        remembered(a, b, c, sa, sb, out_scale_t, amax)
+        return (c, amax) if out_fp8 else c
     out_max = FP8_DTYPES[out_dtype].max_finite if out_fp8 else 0.0
-    args = (a, b, c, sa, sb, out_scale_t, amax, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-            c.stride(0), c.stride(1))
     flags = dict(OUT_MAX=out_max, ROWWISE=rowwise, OUT_FP8=out_fp8, PROMOTE=promote)
     if upcast:
+        args = (a, b, c, sa, sb, out_scale_t, amax, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                c.stride(0), c.stride(1))
         grid = (triton.cdiv(M, INTERPRETER_TILE["BLOCK_M"]) * triton.cdiv(N, INTERPRETER_TILE["BLOCK_N"]),)
         fp8_matmul_kernel[grid](*args, **flags, UPCAST=True, **INTERPRETER_TILE)
         c = c.to(out_dtype)  # torch's cast rounds to nearest even (values are already clamped)
-    elif tma_ok(a, b):
+        return (c, amax) if out_fp8 else c
+    if tma_ok(a, b):
         num_sms = env.num_sms(a.device)
         set_allocator()   # device-built descriptors need scratch memory
 
         def grid(meta):   # persistent: one program per multiprocessor, never more than the tiles
             return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
-        fp8_matmul_tma_autotuned[grid](a, b, c, sa, sb, out_scale_t, amax, M, N, K, a.stride(0), b.stride(0),
-                                       c.stride(0), c.stride(1), NUM_SMS=num_sms, **flags)
+        tuned, uses_tma = fp8_matmul_tma_autotuned, True
+        args = (a, b, c, sa, sb, out_scale_t, amax, M, N, K, a.stride(0), b.stride(0), c.stride(0), c.stride(1))
+        kwargs = dict(NUM_SMS=num_sms, **flags)
     else:
         def grid(meta):
             return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-        fp8_matmul_autotuned[grid](*args, **flags, UPCAST=False)
+        tuned, uses_tma = fp8_matmul_autotuned, False
+        args = (a, b, c, sa, sb, out_scale_t, amax, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                c.stride(0), c.stride(1))
+        kwargs = dict(UPCAST=False, **flags)
+    compiled = tuned[grid](*args, **kwargs)
+    if key is not None and hasattr(tuned, "best_config"):
+        launch = compiled_launch(tuned.fn, compiled, grid, args, {**kwargs, **tuned.best_config.all_kwargs()}, n_tensors=7)
+        if launch is not None:
+            _LAUNCHES[key] = _replay(launch, uses_tma)
     return (c, amax) if out_fp8 else c
+
+
+# launch signature (see fp8_matmul) -> replay(a, b, c, scale_a, scale_b, out_scale, amax)
+_LAUNCHES: dict = {}
+
+
+def _replay(launch, uses_tma: bool):
+    def replay(*tensors):
+        if uses_tma:
+            set_allocator()   # the device-side descriptors' scratch memory (per thread)
+        launch(tensors[0].device.index, *tensors)
+    return replay
 
 
 def fp8_linear_matmul(a: ScaledFp8, b: ScaledFp8, out_dtype=torch.bfloat16, promote: bool = True) -> torch.Tensor:
