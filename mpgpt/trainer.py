@@ -38,7 +38,7 @@ from mpgpt.checkpoint import (CheckpointError, check_compatible, check_global_ba
 from mpgpt.data import TextDataset, default_corpus, download_tiny_shakespeare, load_text
 from mpgpt.model import GPT, GPTConfig, peak_flops
 from mpgpt.precision import MasterWeights, resolve_precision
-from mpgpt.scaling import SCALERS, NullScaler, make_scaler
+from mpgpt.scaling import SCALERS, BaseLossScaler, NullScaler, make_scaler
 
 __all__ = ["TrainConfig", "History", "Trainer", "DivergenceError", "lr_at", "load_dataset", "param_groups"]
 
@@ -46,6 +46,13 @@ __all__ = ["TrainConfig", "History", "Trainer", "DivergenceError", "lr_at", "loa
 class DivergenceError(RuntimeError):
     """The run diverged (a non-finite loss or weight, or a loss scale pushed below its floor). The last
     checkpoint written before it (if any) is kept; no checkpoint of the diverged state is written."""
+
+
+def total_norm(grads) -> torch.Tensor:
+    """The 2-norm of all gradients together, as clip_grad_norm_ computes it (a few multi-tensor kernels)."""
+    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
+        return torch.nn.utils.get_total_norm(grads)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
 
 
 @dataclass
@@ -77,6 +84,10 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0            # 0 disables clipping
+    # Clip inside the fused AdamW kernel (CUDA): it divides each gradient by max(1, norm / grad_clip)
+    # as it reads it, which saves clip_grad_norm_'s separate pass over every gradient. Same update up
+    # to rounding (a division instead of a multiplication); see Trainer.clips_in_optimizer.
+    fused_clip: bool = False
     dropout: float = 0.0
     eval_interval: int = 100
     eval_batches: int = 10
@@ -246,6 +257,7 @@ class Trainer:
                                   init_scale=cfg.init_scale, growth_interval=cfg.growth_interval,
                                   hysteresis=cfg.hysteresis, min_scale=cfg.min_scale)
         self.forward = self.compiled(self.model)
+        self.clips_in_optimizer = cfg.fused_clip and cfg.grad_clip > 0 and self._can_fuse_clip()
         self.data_gen = torch.Generator().manual_seed(cfg.seed)
         self.step = 0
         self._pending, self._t_last = [], time.perf_counter()  # steps run() has not logged yet (_flush)
@@ -260,6 +272,13 @@ class Trainer:
         cfg = self.cfg
         return torch.optim.AdamW(param_groups(named_params, cfg.weight_decay), lr=cfg.lr,
                                  betas=(cfg.beta1, cfg.beta2), fused=self.device.type == "cuda")
+
+    def _can_fuse_clip(self) -> bool:
+        """Whether the optimizer can apply the clipping factor itself: torch's fused AdamW reads
+        ``optimizer.grad_scale`` and divides every gradient by it. Only with our own scalers (or none),
+        which leave a grad_scale set by the caller in place; torch's GradScaler overwrites it."""
+        fused = isinstance(self.optimizer, torch.optim.AdamW) and bool(self.optimizer.defaults.get("fused"))
+        return fused and isinstance(self.scaler, (NullScaler, BaseLossScaler))
 
     def compiled(self, module):
         """``module`` under torch.compile if the config asks for it, else ``module`` itself."""
@@ -290,15 +309,17 @@ class Trainer:
         if self.master is not None:
             self.master.grads_to_master()
         self.scaler.unscale_(self.optimizer)  # true gradients from here on: clip them, not scaled ones
-        if cfg.grad_clip > 0:
+        if self.clips_in_optimizer:
+            # clip_grad_norm_ multiplies by min(1, clip / (norm + 1e-6)); the kernel divides by the inverse
+            grad_norm = total_norm([p.grad for p in self.params if p.grad is not None])
+            self.optimizer.grad_scale = ((grad_norm + 1e-6) / cfg.grad_clip).clamp(min=1.0)
+        elif cfg.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
         else:  # the norm only, for the log: a few multi-tensor kernels, as inside clip_grad_norm_
-            grads = [p.grad for p in self.params if p.grad is not None]
-            if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
-                grad_norm = torch.nn.utils.get_total_norm(grads)
-            else:
-                grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            grad_norm = total_norm([p.grad for p in self.params if p.grad is not None])
         self.scaler.step(self.optimizer)
+        if self.clips_in_optimizer:
+            self.optimizer.__dict__.pop("grad_scale", None)   # this step's factor only (our scalers remove it too)
         self.scaler.update()
         if self.master is not None:
             # Unconditional, so no sync is needed to ask whether the step was skipped: after a skip

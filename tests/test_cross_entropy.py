@@ -310,3 +310,29 @@ def test_the_benchmark_configurations_train_with_the_fused_loss():
     for name in ("bf16+compile+fused-ce", "bf16+compile-nobias+fused-ce"):
         with pytest.raises(ValueError, match="fused_loss"):
             ddp.check_supported(name)
+
+
+def test_the_fused_clip_and_tuning_configurations_are_what_their_names_say():
+    """The rungs after the fused loss: the same spec plus the clip in the optimizer, then inductor's
+    coordinate-descent tuning, which is in force only inside the benchmark's context for that row."""
+    import torch._inductor.config as inductor_config
+
+    from mpgpt.bench import ddp, training
+
+    fused = training.TRAIN_CONFIGS["bf16+compile+fused-ce"]
+    clip = training.TRAIN_CONFIGS["bf16+compile+fused-ce+fused-clip"]
+    tuned = training.TRAIN_CONFIGS["bf16+compile+fused-ce+fused-clip+cd-tuning"]
+    assert clip == {**fused, "fused_clip": True}
+    assert tuned == {**clip, "inductor": {"coordinate_descent_tuning": True}}
+    trainer = training.make_trainer("bf16+compile+fused-ce+fused-clip", preset="tiny", batch_size=2, block_size=16,
+                                    device=DEVICE, compile=False)
+    assert trainer.cfg.fused_clip and trainer.cfg.grad_clip == 1.0
+    # only torch's fused AdamW (built on CUDA) can take the factor; elsewhere clip_grad_norm_ clips
+    assert trainer.clips_in_optimizer == (trainer.device.type == "cuda")
+    before = inductor_config.coordinate_descent_tuning
+    with training.inductor_settings(tuned["inductor"]):
+        assert inductor_config.coordinate_descent_tuning is True
+    assert inductor_config.coordinate_descent_tuning == before
+    for name in ("bf16+compile+fused-ce+fused-clip", "bf16+compile+fused-ce+fused-clip+cd-tuning"):
+        with pytest.raises(ValueError, match="fused_clip"):
+            ddp.check_supported(name)

@@ -240,6 +240,47 @@ def test_gradient_norm_is_reported_and_clipping_applies_only_when_asked():
         assert math.isclose(received, clip if clip else expected, rel_tol=1e-4), (clip, received)
 
 
+
+def _fused_adamw(trainer_cls, monkeypatch):
+    """Make Trainer build torch's fused AdamW on the CPU too (torch has a CPU fused kernel), so the
+    clip-in-the-optimizer path runs here; on CUDA the trainer builds it itself."""
+    def build(self, named_params):
+        from mpgpt.trainer import param_groups
+        return torch.optim.AdamW(param_groups(named_params, self.cfg.weight_decay), lr=self.cfg.lr,
+                                 betas=(self.cfg.beta1, self.cfg.beta2), fused=True)
+    monkeypatch.setattr(trainer_cls, "build_optimizer", build)
+
+
+@pytest.mark.parametrize("precision,scaler", [("fp32", "none"), ("fp32", "dynamic")])
+def test_clipping_inside_the_fused_optimizer_matches_clip_grad_norm(monkeypatch, precision, scaler):
+    # Eight steps clipped to 1e-2 (the gradients' norm is far above it, so every step clips) with
+    # clip_grad_norm_ and with the factor handed to the fused AdamW kernel. The two differ only in
+    # rounding (a division instead of a multiplication by the reciprocal): after 8 steps of lr 1e-2
+    # that is far below 1e-5 of a weight, while skipping the clip moves the weights by ~1e-2.
+    _fused_adamw(Trainer, monkeypatch)
+    weights, norms = {}, {}
+    for fused, clip in ((False, 1e-2), (True, 1e-2), (True, 0.0)):
+        torch.manual_seed(0)
+        t = Trainer(_cfg(grad_clip=clip, fused_clip=fused, lr=1e-2, warmup_steps=0, precision=precision, scaler=scaler))
+        assert t.clips_in_optimizer == (fused and clip > 0)
+        norms[fused, clip] = [t.train_step()[1].item() for _ in range(8)]
+        assert not hasattr(t.optimizer, "grad_scale")           # the factor does not outlive its step
+        weights[fused, clip] = torch.cat([p.detach().flatten() for p in t.params])
+    assert min(norms[True, 1e-2]) > 10 * 1e-2                     # every step clipped, by 10x or more
+    assert torch.allclose(weights[True, 1e-2], weights[False, 1e-2], rtol=0, atol=1e-5)
+    assert (weights[True, 0.0] - weights[False, 1e-2]).abs().max() > 1e-3   # the clip did something
+
+
+def test_clipping_stays_outside_optimizers_that_cannot_take_it(monkeypatch):
+    # The CPU trainer builds the foreach AdamW, which ignores grad_scale: fused_clip must fall back
+    # to clip_grad_norm_ there, not silently drop the clip. So must torch's GradScaler, which
+    # overwrites grad_scale.
+    t = Trainer(_cfg(grad_clip=1e-2, fused_clip=True))
+    assert not t.clips_in_optimizer
+    _fused_adamw(Trainer, monkeypatch)
+    t = Trainer(_cfg(grad_clip=1e-2, fused_clip=True, precision="fp32", scaler="gradscaler"))
+    assert not t.clips_in_optimizer
+
 # ------------------------------------------------------------------------------------------------
 # Resume refusals: every check runs before anything is touched
 # ------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ nothing is patched into the trainer after it is built.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import statistics
 import sys
@@ -34,11 +35,23 @@ REFERENCE_PEAK = PEAK_BF16["H200"]
 # ------------------------------------------------------------------------------------------------
 # name -> how the step runs. compile: None (eager) or a torch.compile mode ("default",
 # "reduce-overhead" = CUDA graphs); bias=False matches nanoGPT's bench.py model.
+# fused_clip: the clipping factor applied inside the fused AdamW kernel (TrainConfig.fused_clip);
+# inductor: torch._inductor.config settings in force while the configuration compiles and runs.
 def _config(precision, scaler="none", compile=None, triton=False, bias=True, checkpointing=False, chunked_loss=0,
-            attention="sdpa", clip=True, fused_loss=False):
-    return dict(precision=precision, scaler=scaler, compile=compile, triton=triton, bias=bias,
+            attention="sdpa", clip=True, fused_loss=False, fused_clip=False, inductor=None):
+    spec = dict(precision=precision, scaler=scaler, compile=compile, triton=triton, bias=bias,
                 checkpointing=checkpointing, chunked_loss=chunked_loss, attention=attention, clip=clip,
                 fused_loss=fused_loss)
+    if fused_clip:
+        spec["fused_clip"] = True
+    if inductor:
+        spec["inductor"] = dict(inductor)
+    return spec
+
+
+# Inductor tries neighbouring block sizes for each generated kernel and keeps the fastest
+# (coordinate descent): longer compiles, sometimes faster reductions and pointwise kernels.
+CD_TUNING = {"coordinate_descent_tuning": True}
 
 
 TRAIN_CONFIGS = {
@@ -67,6 +80,12 @@ TRAIN_CONFIGS = {
     # The output layer's loss and logit gradients in one Triton pass over bf16 logits (llm.c's classifier).
     "bf16+compile+fused-ce": _config("bf16", compile="default", fused_loss=True),
     "bf16+compile-nobias+fused-ce": _config("bf16", compile="default", bias=False, fused_loss=True),
+    # ... and the gradient clipping inside the fused AdamW kernel, then inductor's kernel tuning on top.
+    "bf16+compile+fused-ce+fused-clip": _config("bf16", compile="default", fused_loss=True, fused_clip=True),
+    "bf16+compile+fused-ce+fused-clip+cd-tuning": _config("bf16", compile="default", fused_loss=True, fused_clip=True,
+                                                          inductor=CD_TUNING),
+    "bf16+compile-nobias+fused-ce+fused-clip+cd-tuning": _config("bf16", compile="default", bias=False,
+                                                                 fused_loss=True, fused_clip=True, inductor=CD_TUNING),
 }
 
 
@@ -100,7 +119,7 @@ def make_trainer(name, preset="gpt2", batch_size=12, block_size=None, device=Non
                   batch_size=batch_size, block_size=block_size, device=str(device),
                   compile=spec["compile"] is not None, compile_mode=spec["compile"] or "default",
                   progress=False, sample_tokens=0, steps=10**9, warmup_steps=10, lr=6e-4,
-                  grad_clip=1.0 if spec["clip"] else 0.0)
+                  grad_clip=1.0 if spec["clip"] else 0.0, fused_clip=spec.get("fused_clip", False))
     cfg = TrainConfig(**{**fields, **config})
     overrides = {"block_size": block_size} if block_size else {}
     model = GPT(GPTConfig.preset(preset, bias=spec["bias"], attention=spec["attention"], **overrides))
@@ -115,6 +134,15 @@ def make_trainer(name, preset="gpt2", batch_size=12, block_size=None, device=Non
     data = dataset if dataset is not None else SyntheticTokens(model.config.vocab_size, batch_size,
                                                                model.config.block_size, device)
     return Trainer(cfg, model=model, dataset=data)
+
+
+def inductor_settings(settings):
+    """A context in which torch._inductor.config holds ``settings`` (a dict; None: no change). The
+    compile happens in the first steps, so the timed steps run the kernels chosen under them."""
+    if not settings:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+    return inductor_config.patch(settings)
 
 
 def _time_steps(trainer, warmup, steps) -> list[float]:
@@ -166,10 +194,11 @@ def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10,
             torch.cuda.reset_peak_memory_stats()
         row = {"config": name, "preset": preset, "batch_size": batch_size, "activation_checkpointing": checkpointing}
         try:
-            trainer = make_trainer(name, preset, batch_size, block_size, device, checkpointing)
-            t0 = time.perf_counter()
-            times = _time_steps(trainer, warmup, steps)
-            row["wall_s"] = round(time.perf_counter() - t0, 1)
+            with inductor_settings(TRAIN_CONFIGS[name].get("inductor")):
+                trainer = make_trainer(name, preset, batch_size, block_size, device, checkpointing)
+                t0 = time.perf_counter()
+                times = _time_steps(trainer, warmup, steps)
+                row["wall_s"] = round(time.perf_counter() - t0, 1)
         except torch.OutOfMemoryError:
             row["error"] = "out of memory"
             rows.append(row)
