@@ -275,7 +275,7 @@ def test_clipping_stays_outside_optimizers_that_cannot_take_it(monkeypatch):
     # The CPU trainer builds the foreach AdamW, which ignores grad_scale: fused_clip must fall back
     # to clip_grad_norm_ there, not silently drop the clip. So must torch's GradScaler, which
     # overwrites grad_scale.
-    t = Trainer(_cfg(grad_clip=1e-2, fused_clip=True))
+    t = Trainer(_cfg(grad_clip=1e-2, fused_clip=True, device="cpu"))
     assert not t.clips_in_optimizer
     _fused_adamw(Trainer, monkeypatch)
     t = Trainer(_cfg(grad_clip=1e-2, fused_clip=True, precision="fp32", scaler="gradscaler"))

@@ -84,8 +84,8 @@ TRAIN_CONFIGS = {
     "bf16+compile+fused-ce+fused-clip": _config("bf16", compile="default", fused_loss=True, fused_clip=True),
     "bf16+compile+fused-ce+fused-clip+cd-tuning": _config("bf16", compile="default", fused_loss=True, fused_clip=True,
                                                           inductor=CD_TUNING),
-    "bf16+compile-nobias+fused-ce+fused-clip+cd-tuning": _config("bf16", compile="default", bias=False,
-                                                                 fused_loss=True, fused_clip=True, inductor=CD_TUNING),
+    "bf16+compile-nobias+fused-ce+fused-clip": _config("bf16", compile="default", bias=False, fused_loss=True,
+                                                       fused_clip=True),
 }
 
 
