@@ -4,6 +4,7 @@
 #   train-h200            python -m mpgpt.bench train (the full ladder, largest batch, profile, real run)
 #   scaler-overhead-h200  python benchmarks/scaler_overhead.py --device cuda --preset gpt2
 #   train-h200-fused-ce   python -m mpgpt.bench train --configs bf16+compile,bf16+compile+fused-ce
+#   (train-peers-h200 needs llm.c and nanoGPT beside the package; its record keeps the command)
 #   lab-gpu-h200          python benchmarks/lab_gpu_check.py
 #   optim16-h200, optim16-training-h200   python -m mpgpt.bench optim16 (--parts training)
 #   fp8-h200, fp8-training-h200           python -m mpgpt.bench fp8 (needs sm_89+: skipped below that)
