@@ -31,19 +31,10 @@ def test_the_distributed_benchmark_takes_the_plain_configurations(config):
     ddp.check_supported(config)  # no error
 
 
-def test_a_profiled_row_keeps_the_table_and_lists_gpu_kernels_only():
-    """--profile CONFIG stores the profiler's table and, per GPU kernel, device ms and launches per
-    step. On a CPU nothing runs on a device, so the kernel list is empty rather than invented; on a
-    GPU every entry is a kernel that ran, and the profiler's CPU-range annotations (which also carry
-    device time) are left out, so the list sums to the device's busy time once, not twice."""
-    import torch
 
+def test_a_profiled_row_keeps_the_profilers_table():
+    """--profile CONFIG stores the profiler's table in that row (sorted by CPU time on a CPU)."""
     rows = training.bench_train(["fp32"], preset="tiny", batch_size=2, block_size=16, warmup=1, steps=2,
                                 profile="fp32")
     (row,) = rows
-    assert "Self CPU" in row["profile"]
-    if torch.cuda.is_available():
-        assert row["kernels"] and all(k["ms_per_step"] > 0 and k["launches_per_step"] > 0 for k in row["kernels"])
-        assert not any(k["kernel"].startswith(("Optimizer.", "aten::")) for k in row["kernels"])
-    else:
-        assert row["kernels"] == []
+    assert "Self CPU" in row["profile"] and "aten::" in row["profile"]

@@ -170,13 +170,13 @@ def _time_steps(trainer, warmup, steps) -> list[float]:
     return times
 
 
-def profile_steps(trainer, steps=5, row_limit=30) -> tuple[str, list[dict]]:
-    """A torch.profiler table (sorted by device time) of a few training steps, and the GPU kernels
-    alone: name, device ms per step and launches per step, largest first (empty on a CPU).
+def profile_steps(trainer, steps=5, row_limit=30) -> str:
+    """A torch.profiler table (sorted by device time) of a few training steps.
 
-    Only kernels (and memsets/copies) run on the device; the profiler's annotations of CPU ranges
-    such as ``Optimizer.step`` also carry device time, which would count those kernels twice."""
-    from torch.autograd import DeviceType
+    Reading it: Inductor's Triton kernels appear twice, once as the CPU range that launched them and
+    once as the kernel; annotations of CPU ranges such as ``Optimizer.step`` also show device time,
+    which is their kernels' again. "Self CUDA time total" therefore overstates the busy time by
+    those annotations."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
@@ -185,15 +185,8 @@ def profile_steps(trainer, steps=5, row_limit=30) -> tuple[str, list[dict]]:
             trainer.train_step()
         if trainer.device.type == "cuda":
             torch.cuda.synchronize()
-    averages = prof.key_averages()
     sort = "cuda_time_total" if trainer.device.type == "cuda" else "cpu_time_total"
-    table = averages.table(sort_by=sort, row_limit=row_limit, max_name_column_width=60)
-    annotations = {e.name for e in prof.events() if e.device_type == DeviceType.CPU}
-    kernels = [{"kernel": e.key, "ms_per_step": round(e.self_device_time_total / steps / 1e3, 4),
-                "launches_per_step": e.count / steps}
-               for e in averages
-               if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0 and e.key not in annotations]
-    return table, sorted(kernels, key=lambda k: -k["ms_per_step"])
+    return prof.key_averages().table(sort_by=sort, row_limit=row_limit, max_name_column_width=60)
 
 
 def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10, steps=30,
@@ -241,12 +234,8 @@ def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10,
             "timed_steps": steps, "warmup_steps": warmup,
         })
         if profile == name:
-            row["profile"], row["kernels"] = profile_steps(trainer)
+            row["profile"] = profile_steps(trainer)
             print(row["profile"], flush=True)
-            if row["kernels"]:
-                busy = sum(k["ms_per_step"] for k in row["kernels"])
-                print(f"GPU kernels: {busy:.2f} ms of device time per step in "
-                      f"{sum(k['launches_per_step'] for k in row['kernels']):.0f} launches", flush=True)
         rows.append(row)
         print(f"{name:>22}: {ms:8.2f} ms/step  {tps/1e3:8.1f}k tok/s  "
               f"MFU {row['mfu_vs_989T'] if row['mfu_vs_989T'] is not None else '-'}  "
