@@ -276,9 +276,10 @@ class Trainer:
     def _can_fuse_clip(self) -> bool:
         """Whether the optimizer can apply the clipping factor itself: torch's fused AdamW reads
         ``optimizer.grad_scale`` and divides every gradient by it. Only with our own scalers (or none),
-        which leave a grad_scale set by the caller in place; torch's GradScaler overwrites it."""
+        which leave a grad_scale set by the caller in place; torch's GradScaler overwrites it. Not under
+        FSDP2, whose sharded gradients make the norm a distributed tensor; clip_grad_norm_ handles that."""
         fused = isinstance(self.optimizer, torch.optim.AdamW) and bool(self.optimizer.defaults.get("fused"))
-        return fused and isinstance(self.scaler, (NullScaler, BaseLossScaler))
+        return fused and not self.cfg.fsdp and isinstance(self.scaler, (NullScaler, BaseLossScaler))
 
     def compiled(self, module):
         """``module`` under torch.compile if the config asks for it, else ``module`` itself."""
