@@ -35,6 +35,7 @@ RECORDS = {
     "ddp-h200x2": "DDP and FSDP2 on 1 and 2 H200s: tokens/s and scaling efficiency (chapter 8)",
     "ddp-h200x2-variants": "DDP bucket sizes and compiled graphs on 2 H200s, one recording per run (chapter 8)",
     "train-h200-fused-ce": "bf16+compile with and without the fused cross-entropy kernel, one run (chapter 7)",
+    "train-tuning-h200": "the fused classifier, the clip in the optimizer, and Inductor's coordinate-descent tuning, one run (chapter 7)",
     "train-profile-h200": "a profile of the fastest compiled step with biases, and the same step with max-autotune (chapter 7)",
     "train-peers-h200": "the last rungs of the ladder beside llm.c and nanoGPT's bench.py, in one run on one GPU (chapter 7)",
     "fp8-h200": "fp8 GEMMs, Fp8Linear against bf16 nn.Linear per layer shape, long-K accumulation (chapter 9)",
