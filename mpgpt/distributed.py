@@ -151,6 +151,9 @@ class DistributedTrainer(Trainer):
     """The trainer on one rank of a DDP or FSDP2 run; see the module docstring for what differs."""
 
     def __init__(self, cfg: TrainConfig, model=None, dataset=None):
+        if cfg.cuda_graph:
+            raise ValueError("cuda_graph records one process's step; leave it off under torchrun "
+                             "(the gradient all-reduce and FSDP's gathers are not recorded)")
         device_type = "cuda" if (cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") \
             else "cpu"
         self.env = init_distributed(device_type)

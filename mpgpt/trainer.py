@@ -88,6 +88,10 @@ class TrainConfig:
     # as it reads it, which saves clip_grad_norm_'s separate pass over every gradient. Same update up
     # to rounding (a division instead of a multiplication); see Trainer.clips_in_optimizer.
     fused_clip: bool = False
+    # Record the whole step (forward, backward, clip, AdamW) once as a CUDA graph and replay it
+    # (mpgpt.graph_step): the host launches one graph per step instead of hundreds of kernels.
+    # CUDA only, no loss scaler (fp32, tf32, bf16), one process, a fixed batch shape.
+    cuda_graph: bool = False
     dropout: float = 0.0
     eval_interval: int = 100
     eval_batches: int = 10
@@ -135,6 +139,9 @@ class TrainConfig:
             raise ValueError(f"unknown scaler {self.scaler!r}; choose one of {', '.join(SCALERS)}")
         if self.compile_mode not in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
             raise ValueError(f"unknown compile_mode {self.compile_mode!r}; use 'default' or 'reduce-overhead'")
+        if self.cuda_graph and self.compile_mode != "default":
+            raise ValueError(f"cuda_graph records the whole step itself; use compile_mode 'default' with it, "
+                             f"not {self.compile_mode!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -257,6 +264,7 @@ class Trainer:
                                   init_scale=cfg.init_scale, growth_interval=cfg.growth_interval,
                                   hysteresis=cfg.hysteresis, min_scale=cfg.min_scale)
         self.forward = self.compiled(self.model)
+        self.graphed = self._graphed_step() if cfg.cuda_graph else None
         self.clips_in_optimizer = cfg.fused_clip and cfg.grad_clip > 0 and self._can_fuse_clip()
         self.data_gen = torch.Generator().manual_seed(cfg.seed)
         self.step = 0
@@ -270,8 +278,25 @@ class Trainer:
         decay on matrices only (param_groups). On CUDA the fused kernel: one launch for every
         parameter, and the loss scalers hand it the inf/nan flag so a skipped step needs no sync."""
         cfg = self.cfg
+        if cfg.cuda_graph and self.device.type == "cuda":
+            # A recorded step reads the learning rate from a device tensor, set in place every step.
+            return torch.optim.AdamW(param_groups(named_params, cfg.weight_decay),
+                                     lr=torch.tensor(cfg.lr, device=self.device), betas=(cfg.beta1, cfg.beta2),
+                                     fused=True, capturable=True)
         return torch.optim.AdamW(param_groups(named_params, cfg.weight_decay), lr=cfg.lr,
                                  betas=(cfg.beta1, cfg.beta2), fused=self.device.type == "cuda")
+
+    def _graphed_step(self):
+        """The step recorder (mpgpt.graph_step), after checking this run can be recorded."""
+        from mpgpt.graph_step import GraphedStep
+
+        if self.device.type != "cuda":
+            raise ValueError(f"cuda_graph needs a CUDA device, and this run is on {self.device.type}; "
+                             "leave cuda_graph off there")
+        if not isinstance(self.scaler, NullScaler):
+            raise ValueError(f"cuda_graph cannot record a step with a loss scaler ({type(self.scaler).__name__}: "
+                             "its bookkeeping is Python state); use --precision bf16, or cuda_graph off for fp16")
+        return GraphedStep(self._step_body)
 
     def _can_fuse_clip(self) -> bool:
         """Whether the optimizer can apply the clipping factor itself: torch's fused AdamW reads
@@ -292,14 +317,35 @@ class Trainer:
 
     def train_step(self, after_backward=None):
         """One optimizer step (with gradient accumulation). Returns device tensors (loss, grad_norm)."""
-        cfg, model = self.cfg, self.model
+        cfg = self.cfg
         lr = lr_at(self.step, cfg)
+        self._set_lr(lr)
+        batches = [self.batch("train") for _ in range(cfg.grad_accum)]
+        if self.graphed is not None:
+            if after_backward is not None:
+                raise ValueError("after_backward cannot run inside a step recorded as a CUDA graph; "
+                                 "set cuda_graph=False to use the hook")
+            loss_sum, grad_norm = self.graphed(batches)
+        else:
+            loss_sum, grad_norm = self._step_body(batches, after_backward)
+        self.step += 1
+        return loss_sum, grad_norm, lr
+
+    def _set_lr(self, lr: float) -> None:
+        """This step's learning rate: written into the device tensor a recorded step reads, else set."""
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            if self.graphed is not None:
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+
+    def _step_body(self, batches, after_backward=None):
+        """Forward, backward, clip and optimizer for one step's micro-batches; returns (loss, grad_norm)
+        as device tensors. Everything here runs on the device without a sync, so it can be recorded."""
+        cfg, model = self.cfg, self.model
         loss_sum = torch.zeros((), device=self.device)
-        for micro in range(cfg.grad_accum):
-            x, y = self.batch("train")
-            with self.micro_step_context(last=micro == cfg.grad_accum - 1):
+        for micro, (x, y) in enumerate(batches):
+            with self.micro_step_context(last=micro == len(batches) - 1):
                 with self.policy.autocast(self.device.type):
                     _, loss = self.forward(x, y)
                 loss = loss / cfg.grad_accum
@@ -328,8 +374,7 @@ class Trainer:
             self.master.master_to_model()
         self.optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
-        self.step += 1
-        return loss_sum, grad_norm, lr
+        return loss_sum, grad_norm
 
     @property
     def world_size(self) -> int:
@@ -414,6 +459,12 @@ class Trainer:
         if self.master is not None:
             self.master.load_state_dict(state["master"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.graphed is not None:
+            # The loaded optimizer state is new tensors, which a recorded step would not see: record
+            # again, with the learning rate back in a device tensor.
+            for group in self.optimizer.param_groups:
+                group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32).to(self.device).clone()
+            self.graphed.reset()
         self.scaler.load_state_dict(state["scaler"])
         rng = dict(state["rng"])
         rng["python"] = _python_rng_tuple(rng["python"])

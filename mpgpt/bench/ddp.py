@@ -32,6 +32,7 @@ __all__ = ["bench", "worker", "main"]
 def check_supported(config: str) -> None:
     """The benchmark runs a TrainConfig with GPT-2's default model; refuse configurations whose other
     options (biases, attention, clipping, checkpointing, chunked or fused loss, fused clip, inductor settings,
+    a recorded step,
     Triton, GradScaler, CUDA graphs)
     it would silently drop."""
     if config not in TRAIN_CONFIGS:
@@ -39,7 +40,7 @@ def check_supported(config: str) -> None:
     spec, plain = TRAIN_CONFIGS[config], TRAIN_CONFIGS["bf16"]
     dropped = [k for k in ("bias", "attention", "clip", "checkpointing", "chunked_loss", "triton", "fused_loss")
                if spec[k] != plain[k]]
-    dropped += [k for k in ("fused_clip", "inductor") if spec.get(k)]
+    dropped += [k for k in ("fused_clip", "inductor", "cuda_graph") if spec.get(k)]
     if spec["scaler"] == "gradscaler" or spec["compile"] not in (None, "default"):
         dropped.append("scaler" if spec["scaler"] == "gradscaler" else "compile mode")
     if dropped:

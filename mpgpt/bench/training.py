@@ -36,9 +36,10 @@ REFERENCE_PEAK = PEAK_BF16["H200"]
 # name -> how the step runs. compile: None (eager) or a torch.compile mode ("default",
 # "reduce-overhead" = CUDA graphs); bias=False matches nanoGPT's bench.py model.
 # fused_clip: the clipping factor applied inside the fused AdamW kernel (TrainConfig.fused_clip);
-# inductor: torch._inductor.config settings in force while the configuration compiles and runs.
+# inductor: torch._inductor.config settings in force while the configuration compiles and runs;
+# cuda_graph: the whole step recorded once and replayed (TrainConfig.cuda_graph, mpgpt.graph_step).
 def _config(precision, scaler="none", compile=None, triton=False, bias=True, checkpointing=False, chunked_loss=0,
-            attention="sdpa", clip=True, fused_loss=False, fused_clip=False, inductor=None):
+            attention="sdpa", clip=True, fused_loss=False, fused_clip=False, inductor=None, cuda_graph=False):
     spec = dict(precision=precision, scaler=scaler, compile=compile, triton=triton, bias=bias,
                 checkpointing=checkpointing, chunked_loss=chunked_loss, attention=attention, clip=clip,
                 fused_loss=fused_loss)
@@ -46,6 +47,8 @@ def _config(precision, scaler="none", compile=None, triton=False, bias=True, che
         spec["fused_clip"] = True
     if inductor:
         spec["inductor"] = dict(inductor)
+    if cuda_graph:
+        spec["cuda_graph"] = True
     return spec
 
 
@@ -89,6 +92,12 @@ TRAIN_CONFIGS = {
                                                              fused_loss=True, fused_clip=True),
     "bf16+compile-nobias+fused-ce+fused-clip": _config("bf16", compile="default", bias=False, fused_loss=True,
                                                        fused_clip=True),
+    # The whole step (forward, backward, clip, AdamW) as one CUDA graph: no launch waits on the host.
+    "bf16+compile+fused-ce+fused-clip+step-graph": _config("bf16", compile="default", fused_loss=True,
+                                                           fused_clip=True, cuda_graph=True),
+    "bf16+compile+step-graph": _config("bf16", compile="default", cuda_graph=True),
+    "bf16+compile-nobias+fused-ce+fused-clip+step-graph": _config("bf16", compile="default", bias=False,
+                                                                  fused_loss=True, fused_clip=True, cuda_graph=True),
 }
 
 
@@ -122,7 +131,8 @@ def make_trainer(name, preset="gpt2", batch_size=12, block_size=None, device=Non
                   batch_size=batch_size, block_size=block_size, device=str(device),
                   compile=spec["compile"] is not None, compile_mode=spec["compile"] or "default",
                   progress=False, sample_tokens=0, steps=10**9, warmup_steps=10, lr=6e-4,
-                  grad_clip=1.0 if spec["clip"] else 0.0, fused_clip=spec.get("fused_clip", False))
+                  grad_clip=1.0 if spec["clip"] else 0.0, fused_clip=spec.get("fused_clip", False),
+                  cuda_graph=spec.get("cuda_graph", False))
     cfg = TrainConfig(**{**fields, **config})
     overrides = {"block_size": block_size} if block_size else {}
     model = GPT(GPTConfig.preset(preset, bias=spec["bias"], attention=spec["attention"], **overrides))
