@@ -20,8 +20,10 @@ What the recorded step needs, and the trainer arranges:
   ``capturable=True`` and the learning rate as a device tensor (a Python float would be baked
   into the graph);
 - no host-device sync and no Python decision on a device value inside the step. The bf16/fp32
-  step has neither, and the loss-scaled fp16 step is refused, since its scaler keeps Python-side
-  state per step;
+  step has neither. Nor has the package's loss-scaled fp16 step: its scaler keeps the scale, the
+  overflow flag and the growth counter in device tensors, updated in place, and the fused AdamW
+  skips an overflowing step on the device. torch's GradScaler, which decides on the host, is
+  refused;
 - the step's outputs copied out after each replay, since the next replay overwrites them.
 """
 from __future__ import annotations

@@ -90,7 +90,7 @@ class TrainConfig:
     fused_clip: bool = False
     # Record the whole step (forward, backward, clip, AdamW) once as a CUDA graph and replay it
     # (mpgpt.graph_step): the host launches one graph per step instead of hundreds of kernels.
-    # CUDA only, no loss scaler (fp32, tf32, bf16), one process, a fixed batch shape.
+    # CUDA only, one process, a fixed batch shape, the package's own loss scalers (not GradScaler).
     cuda_graph: bool = False
     dropout: float = 0.0
     eval_interval: int = 100
@@ -293,9 +293,10 @@ class Trainer:
         if self.device.type != "cuda":
             raise ValueError(f"cuda_graph needs a CUDA device, and this run is on {self.device.type}; "
                              "leave cuda_graph off there")
-        if not isinstance(self.scaler, NullScaler):
-            raise ValueError(f"cuda_graph cannot record a step with a loss scaler ({type(self.scaler).__name__}: "
-                             "its bookkeeping is Python state); use --precision bf16, or cuda_graph off for fp16")
+        if not isinstance(self.scaler, (NullScaler, BaseLossScaler)):
+            # torch's GradScaler decides on the host whether to step, and sets its own grad_scale
+            raise ValueError(f"cuda_graph cannot record a step with {type(self.scaler).__name__}; use the "
+                             "package's loss scalers (--scaler dynamic or static), or cuda_graph off")
         return GraphedStep(self._step_body)
 
     def _can_fuse_clip(self) -> bool:
@@ -527,8 +528,11 @@ class Trainer:
             while self.step < stop:
                 step = self.step
                 loss, grad_norm, lr = self.train_step(after_backward)
+                found_inf = self.scaler.last_found_inf
+                if self.graphed is not None and isinstance(found_inf, torch.Tensor):
+                    found_inf = found_inf.clone()  # a recorded step rewrites the same flag at every replay
                 self._pending.append((step, loss, grad_norm, lr, self.scaler.scale_tensor(),
-                                      self.scaler.last_found_inf, getattr(self.scaler, "floor_hit", False)))
+                                      found_inf, getattr(self.scaler, "floor_hit", False)))
                 last = self.step == stop
                 if len(self._pending) >= cfg.log_interval or last:
                     self._flush()

@@ -54,9 +54,25 @@ def _losses(trainer):
 
 
 @pytest.mark.gpu
-def test_gpu_recorded_step_rejects_a_loss_scaler():
-    with pytest.raises(ValueError, match="cuda_graph cannot record a step with a loss scaler"):
-        Trainer(_cfg(cuda_graph=True, device="cuda", precision="fp16"))
+def test_gpu_recorded_step_rejects_torchs_gradscaler():
+    with pytest.raises(ValueError, match="cannot record a step with GradScalerAdapter.*--scaler dynamic"):
+        Trainer(_cfg(cuda_graph=True, device="cuda", precision="fp16", scaler="gradscaler"))
+
+
+@pytest.mark.gpu
+def test_gpu_recorded_fp16_step_scales_and_skips_like_the_eager_one():
+    """fp16 with the dynamic loss scaler, from 2^24 so that the first steps overflow and are
+    skipped: the recorded step must skip the same steps, back the scale off to the same values and
+    take the same losses as the eager step (tolerance as in the comparison above)."""
+    kw = dict(device="cuda", precision="fp16", scaler="dynamic", init_scale=2.0 ** 24, growth_interval=4)
+    eager, graphed = Trainer(_cfg(**kw)), Trainer(_cfg(cuda_graph=True, **kw))
+    le, lg = _losses(eager), _losses(graphed)
+    assert graphed.graphed.recorded
+    assert eager.history.skipped == graphed.history.skipped and any(eager.history.skipped)
+    assert not all(eager.history.skipped[4:])  # skipped early, then steps are taken again
+    assert eager.history.scale == graphed.history.scale
+    assert len(set(graphed.history.scale)) > 2  # the scale moved: backed off, then grew
+    torch.testing.assert_close(lg, le, rtol=1e-4, atol=0)
 
 
 @pytest.mark.gpu
@@ -103,6 +119,7 @@ def test_gpu_recorded_step_compiled_with_fused_loss_and_clip():
 
     def build(**kw):
         cfg = _cfg(device="cuda", precision="bf16", compile=True, fused_clip=True, grad_clip=0.05, **kw)
+        torch.manual_seed(0)  # the same initial weights for both trainers
         model = GPT(GPTConfig.preset("tiny", vocab_size=128, **SMALL))
         model.set_fused_loss(True)
         from mpgpt.data import TextDataset, default_corpus

@@ -96,6 +96,7 @@ TRAIN_CONFIGS = {
     "bf16+compile+fused-ce+fused-clip+step-graph": _config("bf16", compile="default", fused_loss=True,
                                                            fused_clip=True, cuda_graph=True),
     "bf16+compile+step-graph": _config("bf16", compile="default", cuda_graph=True),
+    "fp16+compile+step-graph": _config("fp16", "dynamic", compile="default", cuda_graph=True),
     "bf16+compile-nobias+fused-ce+fused-clip+step-graph": _config("bf16", compile="default", bias=False,
                                                                   fused_loss=True, fused_clip=True, cuda_graph=True),
 }
