@@ -38,3 +38,8 @@ def test_a_profiled_row_keeps_the_profilers_table():
                                 profile="fp32")
     (row,) = rows
     assert "Self CPU" in row["profile"] and "aten::" in row["profile"]
+
+
+def test_profile_takes_a_list_and_refuses_an_unknown_name(capsys):
+    assert training.main(["--configs", "fp32", "--profile", "fp32,no-such-config"]) == 2
+    assert "unknown configuration 'no-such-config'" in capsys.readouterr().err

@@ -181,13 +181,8 @@ def _time_steps(trainer, warmup, steps) -> list[float]:
     return times
 
 
-def profile_steps(trainer, steps=5, row_limit=30) -> str:
-    """A torch.profiler table (sorted by device time) of a few training steps.
-
-    Reading it: Inductor's Triton kernels appear twice, once as the CPU range that launched them and
-    once as the kernel; annotations of CPU ranges such as ``Optimizer.step`` also show device time,
-    which is their kernels' again. "Self CUDA time total" therefore overstates the busy time by
-    those annotations."""
+def _profiled(trainer, steps):
+    """A torch.profiler run over ``steps`` training steps (CPU ranges, and kernels on a GPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
@@ -196,13 +191,61 @@ def profile_steps(trainer, steps=5, row_limit=30) -> str:
             trainer.train_step()
         if trainer.device.type == "cuda":
             torch.cuda.synchronize()
-    sort = "cuda_time_total" if trainer.device.type == "cuda" else "cpu_time_total"
+    return prof
+
+
+def _table(prof, device_type, row_limit=30) -> str:
+    sort = "cuda_time_total" if device_type == "cuda" else "cpu_time_total"
     return prof.key_averages().table(sort_by=sort, row_limit=row_limit, max_name_column_width=60)
+
+
+def host_ms_per_step(trainer, steps=3) -> float:
+    """Host milliseconds to issue one step, nothing synchronised inside: how fast Python and the
+    launch path run ahead of the GPU (a full launch queue can still block it, so when this nears
+    the step time, the host is what limits the step)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    host = (time.perf_counter() - t) * 1e3 / steps
+    torch.cuda.synchronize()
+    return host
+
+
+def profile_steps(trainer, steps=5, row_limit=30) -> str:
+    """A torch.profiler table (sorted by device time) of a few training steps.
+
+    Reading it: Inductor's Triton kernels appear twice, once as the CPU range that launched them and
+    once as the kernel; annotations of CPU ranges such as ``Optimizer.step`` also show device time,
+    which is their kernels' again. "Self CUDA time total" therefore overstates the busy time by
+    those annotations."""
+    return _table(_profiled(trainer, steps), trainer.device.type, row_limit)
+
+
+def profile_row(trainer, steps=5) -> dict:
+    """What --profile adds to a row: the profiler's table, and on a GPU the timeline summary
+    (mpgpt.bench.timeline: busy, idle, and what the GPU waited for) and the host's time per step."""
+    prof = _profiled(trainer, steps)
+    out = {"profile": _table(prof, trainer.device.type)}
+    if trainer.device.type == "cuda":
+        import json
+        import tempfile
+
+        from mpgpt.bench.timeline import timeline_summary
+
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            out["timeline"] = timeline_summary(json.loads(path.read_text()), steps)
+        out["host_ms_per_step"] = round(host_ms_per_step(trainer), 3)
+    return out
 
 
 def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10, steps=30,
                 checkpointing=False, profile=None) -> list[dict]:
-    """Measure each named configuration; return one row per configuration."""
+    """Measure each named configuration; return one row per configuration. ``profile``: names
+    (a list, or one name) whose rows also get profile_row's profile."""
+    profile = [profile] if isinstance(profile, str) else list(profile or ())
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     for name in names:
@@ -244,9 +287,11 @@ def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10,
             "skipped_steps": None,
             "timed_steps": steps, "warmup_steps": warmup,
         })
-        if profile == name:
-            row["profile"] = profile_steps(trainer)
+        if name in (profile or ()):
+            row.update(profile_row(trainer))
             print(row["profile"], flush=True)
+            if "timeline" in row:
+                print(f"{name}: timeline {row['timeline']}; host {row['host_ms_per_step']} ms/step", flush=True)
         rows.append(row)
         print(f"{name:>22}: {ms:8.2f} ms/step  {tps/1e3:8.1f}k tok/s  "
               f"MFU {row['mfu_vs_989T'] if row['mfu_vs_989T'] is not None else '-'}  "
@@ -311,7 +356,9 @@ def build_parser(prog="python -m mpgpt.bench train") -> argparse.ArgumentParser:
     t.add_argument("--max-batch-config", default=None, help="also find the largest batch that fits for this config")
     t.add_argument("--real-run-config", default=None, help="also train this config on the embedded corpus")
     t.add_argument("--real-steps", type=int, default=150)
-    t.add_argument("--profile", default=None, help="also print a torch.profiler table for this config")
+    t.add_argument("--profile", default=None,
+                   help="comma-separated configs to profile too: the profiler's table and, on a GPU, the "
+                        "timeline's busy and idle time")
     t.add_argument("--out-dir", default=".", help="where the JSON result goes (default: the current folder)")
     t.add_argument("--tag", default=None, type=check_tag,
                    help="appended to the file name, so two runs on one day both stay")
@@ -323,7 +370,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     command = shlex.join(["python", "-m", "mpgpt.bench", "train", *argv])
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    extra = [args.max_batch_config, args.real_run_config, args.profile]
+    profiled = [n.strip() for n in (args.profile or "").split(",") if n.strip()]
+    extra = [args.max_batch_config, args.real_run_config, *profiled]
     unknown = [n for n in names + [e for e in extra if e] if n not in TRAIN_CONFIGS]
     if unknown:
         print(f"python -m mpgpt.bench train: error: unknown configuration {unknown[0]!r}; "
@@ -331,7 +379,7 @@ def main(argv=None) -> int:
         return 2
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)  # a folder that cannot be made fails now, not after the run
     rows = bench_train(names, args.preset, args.batch_size, args.block_size, args.warmup, args.steps,
-                       args.activation_checkpointing, args.profile)
+                       args.activation_checkpointing, profiled)
     payload = {"benchmark": "train", "rows": rows}
     if args.max_batch_config:
         payload["largest_batch"] = largest_batch(args.max_batch_config, args.preset)
