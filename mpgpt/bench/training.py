@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import shlex
 import statistics
 import sys
@@ -225,6 +226,8 @@ def profile_steps(trainer, steps=5, row_limit=30) -> str:
 def profile_row(trainer, steps=5) -> dict:
     """What --profile adds to a row: the profiler's table, and on a GPU the timeline summary
     (mpgpt.bench.timeline: busy, idle, and what the GPU waited for) and the host's time per step."""
+    # The host's time first: after a profiler run the launch path can stay slower for a while.
+    host = round(host_ms_per_step(trainer), 3) if trainer.device.type == "cuda" else None
     prof = _profiled(trainer, steps)
     out = {"profile": _table(prof, trainer.device.type)}
     if trainer.device.type == "cuda":
@@ -237,7 +240,7 @@ def profile_row(trainer, steps=5) -> dict:
             path = Path(d) / "trace.json"
             prof.export_chrome_trace(str(path))
             out["timeline"] = timeline_summary(json.loads(path.read_text()), steps)
-        out["host_ms_per_step"] = round(host_ms_per_step(trainer), 3)
+        out["host_ms_per_step"] = host
     return out
 
 
@@ -251,6 +254,7 @@ def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10,
     for name in names:
         if name not in TRAIN_CONFIGS:
             raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(TRAIN_CONFIGS)}")
+        gc.collect()  # whatever an earlier row left (one that failed, too) is freed before this row
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -296,6 +300,9 @@ def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10,
         print(f"{name:>22}: {ms:8.2f} ms/step  {tps/1e3:8.1f}k tok/s  "
               f"MFU {row['mfu_vs_989T'] if row['mfu_vs_989T'] is not None else '-'}  "
               f"mem {row['peak_memory_gib']} GiB", flush=True)
+        # A recorded step's graph keeps its memory pool until the trainer is collected (the step
+        # recorder and the trainer refer to each other): the next row's gc.collect() frees it, so
+        # that row's peak is its own.
         del trainer
     return rows
 
