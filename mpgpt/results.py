@@ -38,6 +38,7 @@ RECORDS = {
     "train-tuning-h200": "the fused classifier, the clip in the optimizer, and Inductor's coordinate-descent tuning, one run (chapter 7)",
     "train-profile-h200": "a profile of the fastest compiled step with biases, and the same step with max-autotune (chapter 7)",
     "train-peers-h200": "the last rungs of the ladder beside llm.c and nanoGPT's bench.py, in one run on one GPU (chapter 7)",
+    "train-peers-graph-h200": "the last rungs with the step recorded as a CUDA graph, beside llm.c and nanoGPT's bench.py, in one run, with a repeat run's times (chapter 7)",
     "fp8-h200": "fp8 GEMMs, Fp8Linear against bf16 nn.Linear per layer shape, long-K accumulation (chapter 9)",
     "fp8-training-h200": "GPT-2 small, 2000 steps: bf16 (two seeds) against fp8 in the output layer and in every linear layer (chapter 9)",
     "fp8-cast-h200": "the fused fp8 cast against the eager one, alone and inside one Fp8Linear step (chapter 9)",
