@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-interval", type=int, default=d.eval_interval)
     p.add_argument("--sample-tokens", type=int, default=d.sample_tokens, help="characters to sample at the end")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--fused-clip", action="store_true",
+                   help="clip the gradients inside the fused AdamW kernel (CUDA), saving a pass over them")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="record the whole step once as a CUDA graph and replay it (CUDA, one process, fixed batch)")
     p.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard with FSDP2 (bf16 params, fp32 reduce) instead of DDP")
     p.add_argument("--ddp-bucket-mb", type=float, default=d.ddp_bucket_mb,
@@ -104,7 +108,8 @@ def config_from_args(args) -> TrainConfig:
         block_size=args.block_size, grad_accum=args.grad_accum, lr=args.lr, compile=args.compile,
         device=args.device, seed=args.seed, out_dir=args.out_dir, checkpoint_interval=args.checkpoint_interval,
         resume=args.resume, eval_interval=args.eval_interval, sample_tokens=args.sample_tokens,
-        progress=not args.no_progress, fsdp=args.fsdp, ddp_bucket_mb=args.ddp_bucket_mb)
+        progress=not args.no_progress, fsdp=args.fsdp, ddp_bucket_mb=args.ddp_bucket_mb,
+        fused_clip=args.fused_clip, cuda_graph=args.cuda_graph)
 
 
 def main(argv=None) -> int:

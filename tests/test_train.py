@@ -145,6 +145,7 @@ def test_gradient_accumulation_matches_one_big_batch():
     (["--device", "meta"], "use --device cpu or cuda"),
     (["--static-scale", "512"], "--static-scale only applies with --scaler static"),
     (["--resume", "."], "is a folder; pass the checkpoint file in it"),
+    (["--cuda-graph", "--device", "cpu"], "cuda_graph needs a CUDA device"),
 ])
 def test_cli_errors_are_one_line(capsys, argv, message):
     try:
