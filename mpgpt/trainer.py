@@ -36,6 +36,7 @@ import torch
 from mpgpt.checkpoint import (CheckpointError, check_compatible, check_global_batch, check_structure, load_checkpoint,
                               save_checkpoint)
 from mpgpt.data import TextDataset, default_corpus, download_tiny_shakespeare, load_text
+from mpgpt.graph_step import GraphedStep
 from mpgpt.model import GPT, GPTConfig, peak_flops
 from mpgpt.precision import MasterWeights, resolve_precision
 from mpgpt.scaling import SCALERS, BaseLossScaler, NullScaler, make_scaler
@@ -288,8 +289,6 @@ class Trainer:
 
     def _graphed_step(self):
         """The step recorder (mpgpt.graph_step), after checking this run can be recorded."""
-        from mpgpt.graph_step import GraphedStep
-
         if self.device.type != "cuda":
             raise ValueError(f"cuda_graph needs a CUDA device, and this run is on {self.device.type}; "
                              "leave cuda_graph off there")

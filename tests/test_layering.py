@@ -22,6 +22,7 @@ LAYERS = {
     "formats": 1, "data": 1, "precision": 1, "checkpoint": 1, "fused_loss": 1, "scaling": 1, "results": 1,
     "optim16": 1,
     "ddp_by_hand": 1,
+    "graph_step": 1,
     "model": 2, "fp8": 2,
     "kernels": 3,
     "trainer": 4,

@@ -1,4 +1,4 @@
-"""Where a GPU step's time goes on the timeline: busy, idle, and who the GPU waited for.
+"""Where a GPU step's time goes on the timeline: busy, idle, and who the GPU waited for (chapter 7).
 
 A profiler table sums each kernel's time; it cannot say whether the GPU sat idle between kernels,
 nor why. This reads the profiler's trace (the Chrome-trace JSON that ``export_chrome_trace``
