@@ -318,13 +318,13 @@ class Trainer:
     def train_step(self, after_backward=None):
         """One optimizer step (with gradient accumulation). Returns device tensors (loss, grad_norm)."""
         cfg = self.cfg
+        if self.graphed is not None and after_backward is not None:  # refused before anything changes
+            raise ValueError("after_backward cannot run inside a step recorded as a CUDA graph; "
+                             "set cuda_graph=False to use the hook")
         lr = lr_at(self.step, cfg)
         self._set_lr(lr)
         batches = [self.batch("train") for _ in range(cfg.grad_accum)]
         if self.graphed is not None:
-            if after_backward is not None:
-                raise ValueError("after_backward cannot run inside a step recorded as a CUDA graph; "
-                                 "set cuda_graph=False to use the hook")
             loss_sum, grad_norm = self.graphed(batches)
         else:
             loss_sum, grad_norm = self._step_body(batches, after_backward)

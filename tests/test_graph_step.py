@@ -41,6 +41,36 @@ def test_graphed_step_needs_a_warmup():
         GraphedStep(lambda batches: (), warmup=0)
 
 
+class _FakeGraph:
+    """Stands in for a recorded torch.cuda.CUDAGraph on the CPU: counts replays."""
+    replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+def test_a_recorded_step_refuses_a_batch_of_another_shape():
+    step = GraphedStep(lambda batches: (torch.zeros(()),))
+    step.graph = _FakeGraph()
+    step.inputs = [(torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 8, dtype=torch.long))]
+    step.outputs = (torch.ones(()),)
+    x = torch.randint(0, 9, (4, 8))
+    out = step([(x, x)])  # the right shape: copied into the buffers, replayed, outputs copied out
+    assert step.graph.replays == 1 and torch.equal(step.inputs[0][0], x) and out[0] is not step.outputs[0]
+    with pytest.raises(ValueError, match="batches of shape \\(4, 8\\), got \\(2, 8\\); a CUDA-graph step needs a fixed"):
+        step([(x[:2], x[:2])])
+    with pytest.raises(ValueError, match="takes 1 micro-batches, got 2"):
+        step([(x, x), (x, x)])
+    assert step.graph.replays == 1  # nothing replayed on refused input
+
+
+def test_after_backward_hooks_are_refused_in_a_recorded_step():
+    t = Trainer(_cfg(device="cpu"))
+    t.graphed = GraphedStep(t._step_body)  # as cuda_graph=True would set it on a GPU
+    with pytest.raises(ValueError, match="after_backward cannot run inside a step recorded as a CUDA graph"):
+        t.train_step(after_backward=lambda step, model: None)
+
+
 def test_distributed_bench_refuses_the_recorded_step():
     from mpgpt.bench.ddp import check_supported
 
