@@ -217,9 +217,10 @@ def profile_steps(trainer, steps=5, row_limit=30) -> str:
     """A torch.profiler table (sorted by device time) of a few training steps.
 
     Reading it: Inductor's Triton kernels appear twice, once as the CPU range that launched them and
-    once as the kernel; annotations of CPU ranges such as ``Optimizer.step`` also show device time,
-    which is their kernels' again. "Self CUDA time total" therefore overstates the busy time by
-    those annotations."""
+    once as the kernel; annotations of CPU ranges such as ``Optimizer.step`` also show device time.
+    "Self CUDA time total" divided by the steps matched the busy time of the trace's timeline
+    (mpgpt.bench.timeline) in record train-peers-graph-h200, so read the busy and idle time from
+    the timeline, not by subtracting rows of the table."""
     return _table(_profiled(trainer, steps), trainer.device.type, row_limit)
 
 
