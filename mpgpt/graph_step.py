@@ -23,8 +23,8 @@ What the recorded step needs, and the trainer arranges:
 - no host-device sync and no Python decision on a device value inside the step. The bf16/fp32
   step has neither. Nor has the package's loss-scaled fp16 step: its scaler keeps the scale, the
   overflow flag and the growth counter in device tensors, updated in place, and the fused AdamW
-  skips an overflowing step on the device. torch's GradScaler, which decides on the host, is
-  refused;
+  skips an overflowing step on the device. torch's GradScaler is refused: its bookkeeping
+  lives in its own Python state, which the recording has not been tested against;
 - the step's outputs copied out after each replay, since the next replay overwrites them.
 """
 from __future__ import annotations

@@ -293,7 +293,7 @@ class Trainer:
             raise ValueError(f"cuda_graph needs a CUDA device, and this run is on {self.device.type}; "
                              "leave cuda_graph off there")
         if not isinstance(self.scaler, (NullScaler, BaseLossScaler)):
-            # torch's GradScaler decides on the host whether to step, and sets its own grad_scale
+            # only the package's scalers are tested recorded: their whole state is device tensors
             raise ValueError(f"cuda_graph cannot record a step with {type(self.scaler).__name__}; use the "
                              "package's loss scalers (--scaler dynamic or static), or cuda_graph off")
         return GraphedStep(self._step_body)
