@@ -174,3 +174,17 @@ def test_gpu_recorded_step_resumes_from_a_checkpoint(tmp_path):
     resumed = torch.tensor(second.run().loss)
     torch.testing.assert_close(resumed, whole, rtol=1e-4, atol=0)
     assert second.graphed.recorded and isinstance(second.optimizer.param_groups[0]["lr"], torch.Tensor)
+
+
+def test_each_step_graph_row_is_its_base_row_recorded():
+    """The bench's +step-graph rows change one thing against the row before them on the ladder."""
+    from mpgpt.bench.training import TRAIN_CONFIGS, make_trainer
+
+    rows = [name for name in TRAIN_CONFIGS if name.endswith("+step-graph")]
+    assert len(rows) >= 4
+    for name in rows:
+        base = name[: -len("+step-graph")]
+        assert TRAIN_CONFIGS[name] == {**TRAIN_CONFIGS[base], "cuda_graph": True}, name
+    # and the bench hands the option to the trainer (which refuses it on the CPU)
+    with pytest.raises(ValueError, match="cuda_graph needs a CUDA device"):
+        make_trainer("bf16+compile+step-graph", preset="tiny", batch_size=2, block_size=16, device="cpu")

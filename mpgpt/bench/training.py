@@ -98,6 +98,8 @@ TRAIN_CONFIGS = {
                                                            fused_clip=True, cuda_graph=True),
     "bf16+compile+step-graph": _config("bf16", compile="default", cuda_graph=True),
     "fp16+compile+step-graph": _config("fp16", "dynamic", compile="default", cuda_graph=True),
+    # The course's Triton layers, whose cost in the step is host-side launches, with the step recorded.
+    "bf16+compile+triton+step-graph": _config("bf16", compile="default", triton=True, cuda_graph=True),
     "bf16+compile-nobias+fused-ce+fused-clip+step-graph": _config("bf16", compile="default", bias=False,
                                                                   fused_loss=True, fused_clip=True, cuda_graph=True),
 }
