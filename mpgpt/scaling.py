@@ -186,8 +186,11 @@ class BaseLossScaler:
     @property
     def last_found_inf(self) -> torch.Tensor | float:
         """The latest ``step()``'s overflow flag, > 0 if it skipped: a device tensor after a fused optimizer's
-        step (read it without a sync, e.g. in batches), a Python float after any other."""
-        return self._last_found_inf
+        step (read it without a sync, e.g. in batches), a Python float after any other. A copy, as
+        scale_tensor() and floor_hit are: a step recorded as a CUDA graph (mpgpt.graph_step) rewrites
+        the same flag tensor at every replay."""
+        flag = self._last_found_inf
+        return flag.detach().clone() if isinstance(flag, torch.Tensor) else flag
 
     @property
     def last_step_skipped(self) -> bool:

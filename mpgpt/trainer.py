@@ -527,11 +527,8 @@ class Trainer:
             while self.step < stop:
                 step = self.step
                 loss, grad_norm, lr = self.train_step(after_backward)
-                found_inf = self.scaler.last_found_inf
-                if self.graphed is not None and isinstance(found_inf, torch.Tensor):
-                    found_inf = found_inf.clone()  # a recorded step rewrites the same flag at every replay
                 self._pending.append((step, loss, grad_norm, lr, self.scaler.scale_tensor(),
-                                      found_inf, getattr(self.scaler, "floor_hit", False)))
+                                      self.scaler.last_found_inf, getattr(self.scaler, "floor_hit", False)))
                 last = self.step == stop
                 if len(self._pending) >= cfg.log_interval or last:
                     self._flush()

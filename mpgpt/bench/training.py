@@ -12,14 +12,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from mpgpt.bench.timeline import timeline_summary
 from mpgpt.data import TextDataset, default_corpus
 from mpgpt.model import GPT, PEAK_BF16, GPTConfig, mfu, peak_flops
 from mpgpt.results import check_tag, write_result
@@ -234,11 +237,6 @@ def profile_row(trainer, steps=5) -> dict:
     prof = _profiled(trainer, steps)
     out = {"profile": _table(prof, trainer.device.type)}
     if trainer.device.type == "cuda":
-        import json
-        import tempfile
-
-        from mpgpt.bench.timeline import timeline_summary
-
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / "trace.json"
             prof.export_chrome_trace(str(path))
@@ -294,7 +292,7 @@ def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10,
             "skipped_steps": None,
             "timed_steps": steps, "warmup_steps": warmup,
         })
-        if name in (profile or ()):
+        if name in profile:
             row.update(profile_row(trainer))
             print(row["profile"], flush=True)
             if "timeline" in row:
