@@ -14,7 +14,9 @@ between runs so we do not time the cache):
 2. the fused linear + bias + GELU(tanh) against torch's F.linear (bias fused by cuBLAS) followed
    by F.gelu, at 12288 x 768 -> 3072 (GPT-2's c_fc).
 3. TritonLinear forward + backward against nn.Linear (+ nn.GELU), under bf16 autocast with fp32
-   parameters, as in training.
+   parameters, as in training; timed twice: called from Python (do_bench), where each call's
+   host time shows whenever it exceeds the GPU's, and recorded once as a CUDA graph and replayed,
+   which leaves only the GPU's time, as in a training step recorded whole (TrainConfig.cuda_graph).
 
 Prints a table and writes kernels_<gpu>_<date>.json into --out-dir (default: the current folder)
 with the GPU, driver, CUDA, torch and triton versions, the date, the command and the commit
@@ -69,6 +71,28 @@ def _median_ms(fn, grad_to_none=None):
     fn()  # first call compiles and autotunes: keep it out of do_bench's estimate
     torch.cuda.synchronize()
     return do_bench(fn, warmup=50, rep=300, grad_to_none=grad_to_none, return_mode="median")
+
+
+def _graph_ms(fn, params):
+    """Median time of ``fn`` recorded once as a CUDA graph and replayed: the GPU's time alone, no
+    Python in between. ``params`` get fresh gradients inside the recording (set to None before
+    it), so every replay writes them instead of adding into the warm-up's."""
+    from triton.testing import do_bench
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graph asks
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    for p in params:
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
+    del graph
+    return ms
 
 
 def _tuning(kernel: str, a, b, bias=None, activation=None) -> dict:
@@ -173,13 +197,18 @@ def bench_linear(M=12288):
         params = [x, lin.weight, lin.bias]
         ms_ref = _median_ms(step(ref_layer), grad_to_none=params)
         ms_tri = _median_ms(step(tri_layer), grad_to_none=params)
+        graph_ref = _graph_ms(step(ref_layer), params)
+        graph_tri = _graph_ms(step(tri_layer), params)
         flops = 3 * 2.0 * M * fin * fout  # forward + two backward GEMMs
         row = {"layer": label, "M": M, "in": fin, "out": fout, "activation": act,
                "nn_linear_ms": ms_ref, "triton_linear_ms": ms_tri, "speedup": ms_ref / ms_tri,
-               "nn_linear_tflops": flops / ms_ref * 1e-9, "triton_linear_tflops": flops / ms_tri * 1e-9}
+               "nn_linear_tflops": flops / ms_ref * 1e-9, "triton_linear_tflops": flops / ms_tri * 1e-9,
+               "graph": {"nn_linear_ms": graph_ref, "triton_linear_ms": graph_tri,
+                         "speedup": graph_ref / graph_tri}}
         rows.append(row)
         print(f"fwd+bwd {label:>12} ({M}x{fin}->{fout}): nn.Linear {ms_ref*1e3:7.0f} us | "
-              f"TritonLinear {ms_tri*1e3:7.0f} us ({row['speedup']:.2f}x)", flush=True)
+              f"TritonLinear {ms_tri*1e3:7.0f} us ({row['speedup']:.2f}x) | recorded as a graph: "
+              f"{graph_ref*1e3:.0f} vs {graph_tri*1e3:.0f} us ({row['graph']['speedup']:.2f}x)", flush=True)
     return rows
 
 
