@@ -60,6 +60,18 @@ def _config(precision, scaler="none", compile=None, triton=False, bias=True, che
 # (coordinate descent): longer compiles, sometimes faster reductions and pointwise kernels.
 CD_TUNING = {"coordinate_descent_tuning": True}
 
+# LayerNorm's backward under Inductor (torch >= 2.10) is one "mix-order" kernel: each program
+# reduces its rows for dx and writes partial sums of dgamma and dbeta, one row of partials per
+# `split` rows, which a second reduction (ATen's sum over dim 0) adds up. Inductor's heuristic
+# picks split = 16 for 12,288 rows on 132 SMs: two (768, 768) fp32 partial tables per LayerNorm,
+# 50 sums per step. A larger split makes fewer partial rows; turning the mix-order kernel off
+# goes back to separate reductions.
+def ln_split(rows):
+    return {"triton.mix_order_reduction_split_size": rows}
+
+
+NO_MIX_ORDER = {"triton.mix_order_reduction": False}
+
 
 TRAIN_CONFIGS = {
     "fp32": _config("fp32"),
@@ -103,6 +115,12 @@ TRAIN_CONFIGS = {
     "fp16+compile+step-graph": _config("fp16", "dynamic", compile="default", cuda_graph=True),
     # The course's Triton layers, whose cost in the step is host-side launches, with the step recorded.
     "bf16+compile+triton+step-graph": _config("bf16", compile="default", triton=True, cuda_graph=True),
+    # LayerNorm's partial-sum split (ln_split above), on the fastest row with biases.
+    **{f"bf16+compile+fused-ce+fused-clip+step-graph+ln-split{n}": _config(
+        "bf16", compile="default", fused_loss=True, fused_clip=True, cuda_graph=True, inductor=ln_split(n))
+       for n in (32, 64, 128)},
+    "bf16+compile+fused-ce+fused-clip+step-graph+no-mix-order": _config(
+        "bf16", compile="default", fused_loss=True, fused_clip=True, cuda_graph=True, inductor=NO_MIX_ORDER),
     "bf16+compile-nobias+fused-ce+fused-clip+step-graph": _config("bf16", compile="default", bias=False,
                                                                   fused_loss=True, fused_clip=True, cuda_graph=True),
 }
