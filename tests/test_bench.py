@@ -43,3 +43,28 @@ def test_a_profiled_row_keeps_the_profilers_table():
 def test_profile_takes_a_list_and_refuses_an_unknown_name(capsys):
     assert training.main(["--configs", "fp32", "--profile", "fp32,no-such-config"]) == 2
     assert "unknown configuration 'no-such-config'" in capsys.readouterr().err
+
+
+def test_every_row_compiles_afresh_and_inductor_settings_bypass_the_graph_cache(monkeypatch):
+    """Dynamo would hand a row the code compiled for an earlier row of the same model structure
+    (and Inductor's disk cache a graph compiled under other settings), so a row that differs only
+    in its Inductor settings would time the earlier row's kernels. Each row starts from a reset,
+    and a row with settings compiles with them in force and the graph cache off."""
+    import torch
+    import torch._inductor.config as inductor_config
+
+    resets, seen = [], []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    split = "triton.mix_order_reduction_split_size"
+
+    def fake_trainer(name, *args, **kwargs):
+        seen.append((name, inductor_config.triton.mix_order_reduction_split_size, inductor_config.fx_graph_cache))
+        raise RuntimeError("stop here: no step is needed")
+
+    monkeypatch.setattr(training, "make_trainer", fake_trainer)
+    base = "bf16+compile+fused-ce+fused-clip+step-graph"
+    assert training.TRAIN_CONFIGS[base + "+ln-split64"]["inductor"] == {split: 64}
+    rows = training.bench_train([base, base + "+ln-split64", base])
+    assert len(resets) == 3 and all("stop here" in row["error"] for row in rows)
+    default_cache = seen[0][2]
+    assert seen == [(base, None, default_cache), (base + "+ln-split64", 64, False), (base, None, default_cache)]

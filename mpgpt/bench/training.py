@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._dynamo
 
 from mpgpt.bench.timeline import timeline_summary
 from mpgpt.data import TextDataset, default_corpus
@@ -176,11 +177,14 @@ def make_trainer(name, preset="gpt2", batch_size=12, block_size=None, device=Non
 
 def inductor_settings(settings):
     """A context in which torch._inductor.config holds ``settings`` (a dict; None: no change). The
-    compile happens in the first steps, so the timed steps run the kernels chosen under them."""
+    compile happens in the first steps, so the timed steps run the kernels chosen under them.
+    Inductor's on-disk graph cache is off meanwhile: its key need not include every setting
+    (torch 2.13 hands back a graph compiled under another split size), and a cached graph would
+    bring back the kernels chosen without them."""
     if not settings:
         return contextlib.nullcontext()
     import torch._inductor.config as inductor_config
-    return inductor_config.patch(settings)
+    return inductor_config.patch({**settings, "fx_graph_cache": False})
 
 
 def _time_steps(trainer, warmup, steps) -> list[float]:
@@ -274,6 +278,10 @@ def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10,
         if name not in TRAIN_CONFIGS:
             raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(TRAIN_CONFIGS)}")
         gc.collect()  # whatever an earlier row left (one that failed, too) is freed before this row
+        # Dynamo reuses code compiled for an earlier row's model of the same structure (the
+        # parameters are inputs, not guards) and never looks at Inductor's settings: without a
+        # reset, a row that differs only in `inductor` would time the earlier row's kernels.
+        torch._dynamo.reset()
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
