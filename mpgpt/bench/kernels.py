@@ -10,7 +10,9 @@ between runs so we do not time the cache):
 1. matmul TFLOP/s (2*M*N*K / time) of `mpgpt.kernels.matmul` against `torch.matmul` (cuBLAS) at
    the GPT-2-small shapes, M = 12*1024 tokens with (K, N) in (768, 2304) c_attn, (768, 768)
    attn.c_proj, (768, 3072) c_fc, (3072, 768) mlp.c_proj, (768, 50304) lm_head, and 4096^3,
-   8192^3. B is read as w.t() of a (N, K) weight, as nn.Linear stores it.
+   8192^3. B is read as w.t() of a (N, K) weight, as nn.Linear stores it. Each product is also
+   timed recorded as a CUDA graph and replayed (`graph` in each row): at the small shapes one
+   call's host time can exceed its GPU time, and then do_bench times the host.
 2. the fused linear + bias + GELU(tanh) against torch's F.linear (bias fused by cuBLAS) followed
    by F.gelu, at 12288 x 768 -> 3072 (GPT-2's c_fc).
 3. TritonLinear forward + backward against nn.Linear (+ nn.GELU), under bf16 autocast with fp32
@@ -73,7 +75,7 @@ def _median_ms(fn, grad_to_none=None):
     return do_bench(fn, warmup=50, rep=300, grad_to_none=grad_to_none, return_mode="median")
 
 
-def _graph_ms(fn, params):
+def _graph_ms(fn, params=()):
     """Median time of ``fn`` recorded once as a CUDA graph and replayed: the GPU's time alone, no
     Python in between. ``params`` get fresh gradients inside the recording (set to None before
     it), so every replay writes them instead of adding into the warm-up's."""
@@ -125,12 +127,16 @@ def bench_matmul(kernels, shapes):
         row = {"shape": label, "M": M, "N": N, "K": K, "cublas_ms": ms_cublas,
                "cublas_tflops": flops / ms_cublas * 1e-9}
         ref = torch.matmul(a, b).float()
+        graph_cublas = _graph_ms(lambda: torch.matmul(a, b))
+        row["graph"] = {"cublas_ms": graph_cublas}
         for kern in kernels:
             out = matmul(a, b, kernel=kern)
             err = ((out.float() - ref).norm() / ref.norm()).item()  # vs cuBLAS: both bf16-rounded
             ms = _median_ms(lambda: matmul(a, b, kernel=kern))
             row[kern] = {"ms": ms, "tflops": flops / ms * 1e-9, "vs_cublas": ms_cublas / ms,
                          "rel_diff_vs_cublas": err, **_tuning(kern, a, b)}
+            graph_ms = _graph_ms(lambda: matmul(a, b, kernel=kern))
+            row["graph"][kern] = {"ms": graph_ms, "vs_cublas": graph_cublas / graph_ms}
         rows.append(row)
         _print_row(row, kernels)
         del a, w, b, ref
@@ -142,7 +148,7 @@ def _print_row(row, kernels):
              f"cuBLAS {row['cublas_tflops']:6.1f} TF/s"]
     for k in kernels:
         r = row[k]
-        parts.append(f"{k} {r['tflops']:6.1f} TF/s ({r['vs_cublas']:.2f}x)")
+        parts.append(f"{k} {r['tflops']:6.1f} TF/s ({r['vs_cublas']:.2f}x; as a graph {row['graph'][k]['vs_cublas']:.2f}x)")
     print(" | ".join(parts), flush=True)
 
 

@@ -124,6 +124,9 @@ TRAIN_CONFIGS = {
         "bf16", compile="default", fused_loss=True, fused_clip=True, cuda_graph=True, inductor=NO_MIX_ORDER),
     "bf16+compile-nobias+fused-ce+fused-clip+step-graph": _config("bf16", compile="default", bias=False,
                                                                   fused_loss=True, fused_clip=True, cuda_graph=True),
+    "bf16+compile-nobias+fused-ce+fused-clip+step-graph+no-mix-order": _config(
+        "bf16", compile="default", bias=False, fused_loss=True, fused_clip=True, cuda_graph=True,
+        inductor=NO_MIX_ORDER),
 }
 
 
