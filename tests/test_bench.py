@@ -46,25 +46,38 @@ def test_profile_takes_a_list_and_refuses_an_unknown_name(capsys):
 
 
 def test_every_row_compiles_afresh_and_inductor_settings_bypass_the_graph_cache(monkeypatch):
-    """Dynamo would hand a row the code compiled for an earlier row of the same model structure
-    (and Inductor's disk cache a graph compiled under other settings), so a row that differs only
-    in its Inductor settings would time the earlier row's kernels. Each row starts from a reset,
-    and a row with settings compiles with them in force and the graph cache off."""
+    """Dynamo would hand a row the code compiled for an earlier row of the same model structure,
+    so a row that differs only in its Inductor settings would time the earlier row's kernels.
+    Each row starts from a reset, and a row with settings builds and runs its trainer with them
+    in force and the graph cache off."""
     import torch
     import torch._inductor.config as inductor_config
 
-    resets, seen = [], []
-    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    if not hasattr(inductor_config.triton, "mix_order_reduction_split_size"):
+        pytest.skip("this torch's Inductor has no mix-order reduction settings")
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", True)   # whatever the environment says
+    events = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: events.append("reset"))
     split = "triton.mix_order_reduction_split_size"
 
+    def settings():
+        return inductor_config.triton.mix_order_reduction_split_size, inductor_config.fx_graph_cache
+
     def fake_trainer(name, *args, **kwargs):
-        seen.append((name, inductor_config.triton.mix_order_reduction_split_size, inductor_config.fx_graph_cache))
+        events.append(("build", name, settings()))
+        return object()
+
+    def fake_steps(trainer, warmup, steps):   # the steps compile: the settings must hold here too
+        events.append(("steps", settings()))
         raise RuntimeError("stop here: no step is needed")
 
     monkeypatch.setattr(training, "make_trainer", fake_trainer)
+    monkeypatch.setattr(training, "_time_steps", fake_steps)
     base = "bf16+compile+fused-ce+fused-clip+step-graph"
     assert training.TRAIN_CONFIGS[base + "+ln-split64"]["inductor"] == {split: 64}
     rows = training.bench_train([base, base + "+ln-split64", base])
-    assert len(resets) == 3 and all("stop here" in row["error"] for row in rows)
-    default_cache = seen[0][2]
-    assert seen == [(base, None, default_cache), (base + "+ln-split64", 64, False), (base, None, default_cache)]
+    assert all("stop here" in row["error"] for row in rows)
+    plain, tuned = (None, True), (64, False)
+    assert events == ["reset", ("build", base, plain), ("steps", plain),
+                      "reset", ("build", base + "+ln-split64", tuned), ("steps", tuned),
+                      "reset", ("build", base, plain), ("steps", plain)]

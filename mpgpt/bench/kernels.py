@@ -11,14 +11,15 @@ between runs so we do not time the cache):
    the GPT-2-small shapes, M = 12*1024 tokens with (K, N) in (768, 2304) c_attn, (768, 768)
    attn.c_proj, (768, 3072) c_fc, (3072, 768) mlp.c_proj, (768, 50304) lm_head, and 4096^3,
    8192^3. B is read as w.t() of a (N, K) weight, as nn.Linear stores it. Each product is also
-   timed recorded as a CUDA graph and replayed (`graph` in each row): at the small shapes one
-   call's host time can exceed its GPU time, and then do_bench times the host.
+   recorded once as a CUDA graph and timed by replaying it (`graph` in each row): at the small
+   shapes one call's host time can exceed its GPU time, and then do_bench times the host.
 2. the fused linear + bias + GELU(tanh) against torch's F.linear (bias fused by cuBLAS) followed
    by F.gelu, at 12288 x 768 -> 3072 (GPT-2's c_fc).
 3. TritonLinear forward + backward against nn.Linear (+ nn.GELU), under bf16 autocast with fp32
    parameters, as in training; timed twice: called from Python (do_bench), where each call's
-   host time shows whenever it exceeds the GPU's, and recorded once as a CUDA graph and replayed,
-   which leaves only the GPU's time, as in a training step recorded whole (TrainConfig.cuda_graph).
+   host time shows whenever it exceeds the GPU's, and recorded once as a CUDA graph and timed by
+   replaying it, which leaves the GPU's time, as in a training step recorded whole
+   (TrainConfig.cuda_graph).
 
 Prints a table and writes kernels_<gpu>_<date>.json into --out-dir (default: the current folder)
 with the GPU, driver, CUDA, torch and triton versions, the date, the command and the commit
@@ -76,8 +77,8 @@ def _median_ms(fn, grad_to_none=None):
 
 
 def _graph_ms(fn, params=()):
-    """Median time of ``fn`` recorded once as a CUDA graph and replayed: the GPU's time alone, no
-    Python in between. ``params`` get fresh gradients inside the recording (set to None before
+    """Median time of ``fn`` recorded once as a CUDA graph and replayed: the GPU's time, with no
+    Python between the kernels of one call (do_bench still clears L2 before each replay). ``params`` get fresh gradients inside the recording (set to None before
     it), so every replay writes them instead of adding into the warm-up's."""
     from triton.testing import do_bench
 

@@ -181,9 +181,8 @@ def make_trainer(name, preset="gpt2", batch_size=12, block_size=None, device=Non
 def inductor_settings(settings):
     """A context in which torch._inductor.config holds ``settings`` (a dict; None: no change). The
     compile happens in the first steps, so the timed steps run the kernels chosen under them.
-    Inductor's on-disk graph cache is off meanwhile: its key need not include every setting
-    (torch 2.13 hands back a graph compiled under another split size), and a cached graph would
-    bring back the kernels chosen without them."""
+    Inductor's on-disk graph cache is off meanwhile, so the row's graphs are compiled under its
+    settings whatever the cache holds."""
     if not settings:
         return contextlib.nullcontext()
     import torch._inductor.config as inductor_config
