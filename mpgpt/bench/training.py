@@ -61,7 +61,7 @@ def _config(precision, scaler="none", compile=None, triton=False, bias=True, che
 # (coordinate descent): longer compiles, sometimes faster reductions and pointwise kernels.
 CD_TUNING = {"coordinate_descent_tuning": True}
 
-# LayerNorm's backward under Inductor (torch >= 2.10) is one "mix-order" kernel: each program
+# LayerNorm's backward under Inductor (torch 2.11 in the records) is one "mix-order" kernel: each program
 # reduces its rows for dx and writes partial sums of dgamma and dbeta, one row of partials per
 # `split` rows, which a second reduction (ATen's sum over dim 0) adds up. Inductor's heuristic
 # picks split = 16 for 12,288 rows on 132 SMs: two (768, 768) fp32 partial tables per LayerNorm,
@@ -114,7 +114,7 @@ TRAIN_CONFIGS = {
                                                            fused_clip=True, cuda_graph=True),
     "bf16+compile+step-graph": _config("bf16", compile="default", cuda_graph=True),
     "fp16+compile+step-graph": _config("fp16", "dynamic", compile="default", cuda_graph=True),
-    # The course's Triton layers, whose cost in the step is host-side launches, with the step recorded.
+    # The course's Triton layers with the step recorded, so that their launches cost the host nothing.
     "bf16+compile+triton+step-graph": _config("bf16", compile="default", triton=True, cuda_graph=True),
     # LayerNorm's partial-sum split (ln_split above), on the fastest row with biases.
     **{f"bf16+compile+fused-ce+fused-clip+step-graph+ln-split{n}": _config(
