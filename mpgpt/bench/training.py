@@ -61,9 +61,9 @@ def _config(precision, scaler="none", compile=None, triton=False, bias=True, che
 # (coordinate descent): longer compiles, sometimes faster reductions and pointwise kernels.
 CD_TUNING = {"coordinate_descent_tuning": True}
 
-# LayerNorm's backward under Inductor (torch 2.11 in the records) is one "mix-order" kernel: each program
-# reduces its rows for dx and writes partial sums of dgamma and dbeta, one row of partials per
-# `split` rows, which a second reduction (ATen's sum over dim 0) adds up. Inductor's heuristic
+# LayerNorm's backward under Inductor (torch 2.11 in the records) is one "mix-order" kernel:
+# each program reduces its rows for dx and writes partial sums of dgamma and dbeta, one row of
+# partials per `split` rows, which a second reduction (ATen's sum over dim 0) adds up. Inductor's heuristic
 # picks split = 16 for 12,288 rows on 132 SMs: two (768, 768) fp32 partial tables per LayerNorm,
 # 50 sums per step. A larger split makes fewer partial rows; turning the mix-order kernel off
 # goes back to separate reductions.
