@@ -81,6 +81,55 @@ def compile_fp8(cc: int, kernel: str) -> dict:
     return {"shared": compiled.metadata.shared, **instructions(compiled.asm["ptx"])}
 
 
+class _Sm90Driver:
+    """Stands in for Triton's CUDA driver so that a Gluon kernel's ``warmup`` (which specialises on
+    real descriptor arguments, unlike ASTSource) compiles for an H100/H200 on a machine with no GPU."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        import torch
+        return torch.device("cpu")
+
+
+def compile_gluon(kernel: str) -> dict:
+    """The two warp-specialised Gluon kernels (sm_90): ws.matmul_ws_kernel in bf16 with a bias, and
+    fp8_ws.fp8_ws_kernel promoting, with rowwise scales, for a 4096^3 product (descriptors of CPU
+    tensors: only their shapes, strides and alignment matter here)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime import driver
+
+    from mpgpt.kernels import fp8_ws, ws
+    driver.set_active(_Sm90Driver())   # left active: this child process compiles, it never launches
+    n = 4096
+    if kernel == "fp8_ws":
+        a = torch.empty(n, n, dtype=torch.float8_e4m3fn)
+        c = torch.empty(n, n, dtype=torch.bfloat16)
+        descs = [TensorDescriptor.from_tensor(t, box, layout)
+                 for t, (box, layout) in zip((a, a, c), fp8_ws._layouts(torch.bfloat16))]
+        s = torch.empty(n, dtype=torch.float32)
+        compiled = fp8_ws.fp8_ws_kernel.warmup(*descs, s, s, n, n, n, SPLIT=fp8_ws.SPLIT, ROWWISE=True, PROMOTE=True,
+                                               GROUP_M=fp8_ws.GROUP_M, STAGES=fp8_ws.default_stages(torch.bfloat16),
+                                               num_warps=4, grid=(132,))
+    else:
+        a = torch.empty(n, n, dtype=torch.bfloat16)   # b = w.t() for a row-major weight w, as nn.Linear has
+        descs = [TensorDescriptor.from_tensor(t, box, layout)
+                 for t, (box, layout) in zip(ws.ws_tensors(a, a.t(), a), ws._layouts(torch.bfloat16))]
+        compiled = ws.matmul_ws_kernel.warmup(*descs, a[0], n, n, n, HAS_BIAS=True, GROUP_M=ws.GROUP_M,
+                                              STAGES=ws.STAGES, num_warps=ws.NUM_WARPS, grid=(132,))
+    ptx = compiled.asm["ptx"]
+    return {"shared": compiled.metadata.shared, **instructions(ptx),
+            "wgmma_types": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.(\w+)\.", ptx)))}
+
+
 def attempt(fn, *args) -> dict:
     try:
         return {"ok": True, **fn(*args)}
@@ -104,6 +153,12 @@ def main(targets) -> dict:
                            **attempt(compile_fp8, 89, "fp8_matmul")})
     out["results"].append({"cc": 90, "kernel": "fp8_matmul_tma", "dtype": "fp8", "config": "first",
                            **attempt(compile_fp8, 90, "fp8_matmul_tma")})
+    # The warp-specialised Gluon kernels (Hopper only), where this Triton has Gluon.
+    from mpgpt.kernels import fp8_ws
+    if fp8_ws.WS_FP8_IMPORT_ERROR is None:
+        for name in ("ws", "fp8_ws"):
+            out["results"].append({"cc": 90, "kernel": name, "dtype": "fp8" if name == "fp8_ws" else "bf16",
+                                   "config": "fixed", **attempt(compile_gluon, name)})
     # What bf16 does below sm_80 depends on the Triton version: recorded, not assumed.
     out["results"].append({"cc": 75, "kernel": "matmul", "dtype": "bf16", "config": "fixed",
                            **attempt(compile_matmul, 75, "bf16", grouped.FIXED["sm75"])})

@@ -70,6 +70,19 @@ def test_the_fp8_gemms_compile_for_fp8_tensor_cores(compiled, cc, kernel):
     assert record["mma"] > 0, f"sm_{cc}: tl.dot on fp8 did not use tensor cores"
 
 
+@pytest.mark.parametrize("kernel,dtype,operands", [("ws", "bf16", "bf16"), ("fp8_ws", "fp8", "e4m3")])
+def test_the_gluon_kernels_compile_for_hopper(compiled, kernel, dtype, operands):
+    """The warp-specialised kernels are written in Gluon, whose API moved between Triton releases
+    (3.9 renamed the TMA copies): each must compile with the Triton installed here, fit an H100's
+    shared memory, and multiply on wgmma with the operand type it was written for."""
+    if (90, kernel, dtype) not in compiled:
+        pytest.skip("this Triton has no Gluon")
+    record = compiled[90, kernel, dtype]
+    assert record["ok"], record.get("error")
+    assert 0 < record["shared"] <= SHARED_PER_BLOCK[90]
+    assert record["mma"] > 0 and record["wgmma_types"] == [operands], record
+
+
 def test_bf16_on_sm75_is_refused_whatever_triton_does(compiled):
     record = compiled[75, "matmul", "bf16"]
     assert isinstance(record["ok"], bool)  # compiled (Triton 3.9) or a ptxas error (older): both recorded

@@ -336,6 +336,36 @@ def test_fp8_kernel_refuses_a_gpu_without_fp8(monkeypatch):
         km.check_fp8_device(FakeTensor())
 
 
+def test_the_gluon_kernels_scope_is_checked_on_the_operands():
+    """fp8_ws takes row-major fp8 operands with 16-byte aligned rows and a 16/32-bit output whose rows
+    are a multiple of 16 bytes; everything else must go to the Triton kernels, never to a TMA
+    descriptor that would fault or read the wrong bytes."""
+    from mpgpt.kernels import fp8_ws
+    a = torch.randn(256, 512).to(torch.float8_e4m3fn)
+    b = torch.randn(136, 512).to(torch.float8_e4m3fn)
+    fits = fp8_ws.fp8_ws_operands_fit
+    assert fits(a, b, torch.bfloat16) and fits(a, b, torch.float32) and fits(a, b.to(torch.float8_e5m2), torch.float16)
+    assert not fits(a, b, torch.float8_e4m3fn)                         # an fp8 output: the Triton kernels
+    assert fits(a[:, :500], b[:, :500], torch.bfloat16)                # rows of 500 bytes in a 512-byte pitch: fine...
+    assert not fits(a[:, 4:], b[:, 4:], torch.bfloat16)                # ...but a base 4 bytes past alignment is not
+    assert not fits(a, b[:130], torch.bfloat16)                        # 130 bf16 outputs a row: 260 bytes
+    assert not fits(a.t().contiguous().t(), b, torch.bfloat16)         # column-major a
+    assert not fits(a.float(), b, torch.bfloat16)                      # not fp8
+    assert not fp8_ws.fp8_ws_eligible(a, b, torch.bfloat16)            # a CPU tensor: never
+
+
+def test_fp8_kernel_choice_is_checked():
+    km, dev = kernel_or_skip(), device_for_kernel()
+    q = fp8.quantize(torch.randn(64, 128, device=dev))
+    with pytest.raises(ValueError, match="kernel='cutlass'.*'auto', 'gluon' or 'triton'"):
+        km.fp8_matmul(q.data, q.data, q.scale, q.scale, kernel="cutlass")
+    if dev == "cpu":
+        with pytest.raises(RuntimeError, match="Gluon fp8 kernel cannot run.*kernel='auto'"):
+            km.fp8_matmul(q.data, q.data, q.scale, q.scale, kernel="gluon")
+    auto = km.fp8_matmul(q.data, q.data, q.scale, q.scale, out_dtype=torch.float32)
+    assert torch.equal(auto, km.fp8_matmul(q.data, q.data, q.scale, q.scale, out_dtype=torch.float32, kernel="triton"))
+
+
 # --- on fp8 tensor cores: against torch._scaled_mm ------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -394,6 +424,46 @@ def test_fp8_kernel_replayed_launch_matches_the_first(recipe, out_dtype):
                                ref.view(torch.uint8) if ref.element_size() == 1 else ref)
             results.append(got)
         assert not torch.equal(results[1], results[2])          # new inputs, new products: not a stale output
+
+
+def gluon_or_skip():
+    km = kernel_or_skip()
+    from mpgpt.kernels import env, fp8_ws
+    if not torch.cuda.is_available() or env.capability() != (9, 0) or fp8_ws.WS_FP8_IMPORT_ERROR:
+        pytest.skip(fp8_ws.WS_FP8_IMPORT_ERROR or "the Gluon fp8 kernel is for Hopper (sm_90)")
+    return km
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_gluon_fp8_kernel_gives_the_triton_kernels_result(recipe, out_dtype):
+    """Both kernels add the tensor cores' partial sum of each 128 elements of K into fp32, in the same
+    order, then apply the scales in the same order: the results must be equal bit for bit, on
+    ragged shapes too (a partial last tile in M, N and K; an all-padding second column part)."""
+    km = gluon_or_skip()
+    for M, N, K in [(512, 512, 1024), (1000, 776, 720), (200, 4104, 1552), (130, 40, 64)]:
+        qa = fp8.quantize(spread_rows(M, K).cuda(), E4M3, recipe)
+        qb = fp8.quantize(spread_rows(N, K).cuda(), E4M3, recipe)
+        ours = km.fp8_matmul(qa.data, qb.data, qa.scale, qb.scale, out_dtype=out_dtype, kernel="gluon")
+        ref = km.fp8_matmul(qa.data, qb.data, qa.scale, qb.scale, out_dtype=out_dtype, kernel="triton")
+        assert ours.dtype == out_dtype and torch.equal(ours, ref), (M, N, K)
+
+
+@pytest.mark.gpu
+def test_gluon_fp8_kernel_promotes():
+    """A long positive sum: promoted, the error stays at fp32's level plus one short accumulation of 128
+    (DeepSeek-V3's scheme); without promotion the tensor cores' ~14-bit sum loses far more."""
+    km = gluon_or_skip()
+    K = 16384
+    qa, qb = fp8.quantize(torch.rand(128, K, device="cuda") + 0.5), fp8.quantize(torch.rand(256, K, device="cuda") + 0.5)
+    exact = qa.dequantize().double() @ qb.dequantize().double().t()
+    err = {}
+    for promote in (True, False):
+        c = km.fp8_linear_matmul(qa, qb, out_dtype=torch.float32, promote=promote, kernel="gluon").double()
+        err[promote] = ((c - exact).abs() / exact).max().item()
+    assert err[True] <= 128 * 2.0**-13 + K * 2.0**-24
+    assert err[True] * 10 < err[False], err
 
 
 @pytest.mark.gpu

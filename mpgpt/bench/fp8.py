@@ -6,8 +6,10 @@
 Three parts, each timed with `triton.testing.do_bench` (CUDA events, median; do_bench clears the L2
 cache between runs) on random inputs (never zeros):
 
-1. gemm: the fp8 Triton GEMM (mpgpt.kernels.fp8_matmul; tensorwise and rowwise scales, with and
-   without promotion, and with an fp8 output plus its amax) against torch._scaled_mm (tensorwise
+1. gemm: the package's fp8 GEMM (mpgpt.kernels.fp8_matmul; tensorwise and rowwise scales, with and
+   without promotion, and with an fp8 output plus its amax; promoted on sm_90 it runs the Gluon
+   kernel of fp8_ws.py, and `triton_tensorwise_tl_dot` times the Triton kernel's
+   `max_num_imprecise_acc` promotion beside it) against torch._scaled_mm (tensorwise
    and rowwise, with and without use_fast_accum) and bf16 cuBLAS (torch.matmul) at 4096^3 and
    8192^3. b is an (N, K) row-major tensor, read as b.T. The casts are done once, outside the
    timing: this part times the GEMMs alone.
@@ -102,6 +104,7 @@ def gemm_cases(a, b, qa_t, qb_t, qa_r, qb_r):
         "scaled_mm_rowwise": scaled_mm(qa_r, qb_r, False),
         "scaled_mm_rowwise_fast_accum": scaled_mm(qa_r, qb_r, True),
         "triton_tensorwise": lambda: kfp8.fp8_linear_matmul(qa_t, qb_t, promote=True),
+        "triton_tensorwise_tl_dot": lambda: kfp8.fp8_linear_matmul(qa_t, qb_t, promote=True, kernel="triton"),
         "triton_tensorwise_no_promotion": lambda: kfp8.fp8_linear_matmul(qa_t, qb_t, promote=False),
         "triton_rowwise": lambda: kfp8.fp8_linear_matmul(qa_r, qb_r, promote=True),
         "triton_tensorwise_fp8_out": lambda: kfp8.fp8_matmul(qa_t.data, qb_t.data, qa_t.scale, qb_t.scale,
@@ -139,6 +142,7 @@ def gemm_ratios(row: dict) -> dict:
     """Speed ratios (time of the reference / time of ours; > 1: ours is faster), where both ran."""
     pairs = {
         "triton_vs_scaled_mm_tensorwise": ("triton_tensorwise", "scaled_mm_tensorwise"),
+        "tl_dot_vs_scaled_mm_tensorwise": ("triton_tensorwise_tl_dot", "scaled_mm_tensorwise"),
         "triton_no_promotion_vs_scaled_mm_fast_accum": ("triton_tensorwise_no_promotion", "scaled_mm_tensorwise_fast_accum"),
         "triton_rowwise_vs_scaled_mm_rowwise": ("triton_rowwise", "scaled_mm_rowwise"),
         "triton_vs_bf16_cublas": ("triton_tensorwise", "bf16_cublas"),
@@ -155,7 +159,8 @@ def gemm_ratios(row: dict) -> dict:
 def print_gemm_row(row):
     parts = [f"{row['shape']:>7}"]
     for name in ("bf16_cublas", "scaled_mm_tensorwise", "scaled_mm_tensorwise_fast_accum", "scaled_mm_rowwise",
-                 "triton_tensorwise", "triton_tensorwise_no_promotion", "triton_rowwise", "triton_tensorwise_fp8_out"):
+                 "triton_tensorwise", "triton_tensorwise_tl_dot", "triton_tensorwise_no_promotion", "triton_rowwise",
+                 "triton_tensorwise_fp8_out"):
         r = row.get(name, {})
         parts.append(f"{name} {r['tflops']:.0f} TF/s" if "tflops" in r else f"{name} failed")
     print(" | ".join(parts), flush=True)
@@ -239,6 +244,8 @@ def bench_accumulation(ks=ACCUM_K, mn=ACCUM_MN, device="cuda"):
             "scaled_mm": lambda: fp8.scaled_matmul(qa, qb, backend="torch", use_fast_accum=False),
             "scaled_mm_fast_accum": lambda: fp8.scaled_matmul(qa, qb, backend="torch", use_fast_accum=True),
             "triton_promoted": lambda: kfp8.fp8_linear_matmul(qa, qb, out_dtype=torch.float32, promote=True),
+            "triton_promoted_tl_dot": lambda: kfp8.fp8_linear_matmul(qa, qb, out_dtype=torch.float32, promote=True,
+                                                                     kernel="triton"),
             "triton_no_promotion": lambda: kfp8.fp8_linear_matmul(qa, qb, out_dtype=torch.float32, promote=False),
         }
         row = {"K": K, "M": mn, "N": mn}

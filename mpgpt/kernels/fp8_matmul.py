@@ -19,6 +19,10 @@ the K loop:
   ``tl.dot``, so every BLOCK_K (at most 128) elements of K the partial sum is added into the fp32
   accumulator, as DeepGEMM does every 128; ``promote=False`` leaves Triton's Hopper default, which
   never promotes (faster, less accurate), like ``use_fast_accum=True`` in ``torch._scaled_mm``.
+  Here each promotion makes the warps wait for the tensor cores and the tensor cores wait for
+  the adds (0.8x of cuBLAS's promoted fp8 GEMM on the H200), so on sm_90 a promoted product with
+  a 16- or 32-bit output goes to fp8_ws.py, a warp-specialised Gluon kernel whose two consumer
+  warpgroups overlap one's adds with the other's products.
 
 b is read through its strides as the (K, N) view b.T: K is then the contiguous dimension of both
 operands' tiles, the layout fp8 tensor cores want (torch._scaled_mm asks for the same thing by
@@ -39,7 +43,7 @@ import torch
 
 from mpgpt.fp8 import E4M3, E5M2, ScaledFp8
 
-from . import env
+from . import env, fp8_ws
 from .env import tl, triton
 from .epilogue import tile_coords
 from .launch import compiled_launch, lean_launch_enabled
@@ -241,13 +245,19 @@ def check_fp8_device(t: torch.Tensor) -> None:
 
 
 def fp8_matmul(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out_dtype=torch.bfloat16,
-               out_scale=None, promote: bool = True):
+               out_scale=None, promote: bool = True, kernel: str = "auto"):
     """``(a @ b.T) * scale_a * scale_b`` for fp8 a (M, K) and b (N, K), in ``out_dtype``.
 
     Scales are dequantisation scales (mpgpt.fp8.ScaledFp8.scale): one number each, or one per row
     of a (M values) and of b (N values). With an fp8 ``out_dtype`` (torch.float8_e4m3fn or
     float8_e5m2) give ``out_scale``, the multiplier applied before the saturating cast; the call
-    then returns ``(c, amax)``, amax being the largest |c| before that scaling (a (1,) fp32 tensor)."""
+    then returns ``(c, amax)``, amax being the largest |c| before that scaling (a (1,) fp32 tensor).
+
+    ``kernel``: "auto" takes the warp-specialised Gluon kernel (fp8_ws.py) for a promoted product
+    with a 16- or 32-bit output on sm_90, and this module's Triton kernels otherwise; "gluon"
+    insists on the Gluon kernel (an error where it cannot run); "triton" never takes it."""
+    if kernel not in ("auto", "gluon", "triton"):
+        raise ValueError(f"kernel={kernel!r}: give 'auto', 'gluon' or 'triton'")
     if a.dtype not in FP8_DTYPES or b.dtype not in FP8_DTYPES:
         raise TypeError(f"fp8_matmul takes fp8 operands (float8_e4m3fn / float8_e5m2), got {a.dtype} and {b.dtype}; "
                         "cast them with mpgpt.fp8.quantize")
@@ -270,7 +280,7 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out_dtype=tor
         # Everything that decides the launch (launch.py): with it, a repeat call skips the checks
         # and Triton's Python launch path, which cost more host time than a 4096^3 GEMM takes.
         key = (a.device.index, env.capability(a.device), a.dtype, b.dtype, out_dtype, M, N, K, a.stride(), b.stride(),
-               a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0, rowwise, promote)
+               a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0, rowwise, promote, kernel)
     remembered = _LAUNCHES.get(key) if key is not None else None
     if remembered is None:
         check_fp8_device(a)
@@ -282,6 +292,18 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out_dtype=tor
     if remembered is not None:
         remembered(a, b, c, sa, sb, out_scale_t, amax)
         return (c, amax) if out_fp8 else c
+    gluon_ok = not out_fp8 and fp8_ws.fp8_ws_eligible(a, b, out_dtype)
+    if kernel == "gluon" and not gluon_ok:
+        why = fp8_ws.WS_FP8_IMPORT_ERROR or ("it takes a 16- or 32-bit output, sm_90, and row-major operands and output "
+                                             "with 16-byte aligned rows")
+        raise RuntimeError(f"the Gluon fp8 kernel cannot run this product: {why}; use kernel='auto'")
+    if gluon_ok and (kernel == "gluon" or (kernel == "auto" and promote)):
+        jit_fn, compiled, grid, args, kwargs = fp8_ws.fp8_ws_launch(a, b, c, sa, sb, rowwise, promote=promote)
+        if key is not None:
+            launch = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=5)
+            if launch is not None:
+                _LAUNCHES[key] = _replay_ws(launch)
+        return c
     out_max = FP8_DTYPES[out_dtype].max_finite if out_fp8 else 0.0
     flags = dict(OUT_MAX=out_max, ROWWISE=rowwise, OUT_FP8=out_fp8, PROMOTE=promote)
     if upcast:
@@ -327,9 +349,16 @@ def _replay(launch, uses_tma: bool):
     return replay
 
 
-def fp8_linear_matmul(a: ScaledFp8, b: ScaledFp8, out_dtype=torch.bfloat16, promote: bool = True) -> torch.Tensor:
+def _replay_ws(launch):
+    def replay(a, b, c, sa, sb, out_scale, amax):   # the Gluon kernel: three host-built descriptors, two scales
+        launch(a.device.index, *fp8_ws.lean_descriptors(a, b, c), sa, sb)
+    return replay
+
+
+def fp8_linear_matmul(a: ScaledFp8, b: ScaledFp8, out_dtype=torch.bfloat16, promote: bool = True,
+                      kernel: str = "auto") -> torch.Tensor:
     """``a @ b.T`` for two mpgpt.fp8 operands (tensorwise, delayed or rowwise scales) through the kernel."""
     if a.block is not None or b.block is not None:
         raise ValueError("block scales vary along K, so they cannot be applied in the epilogue; "
                          "use mpgpt.fp8.scaled_matmul for the block recipe")
-    return fp8_matmul(a.data, b.data, a.scale, b.scale, out_dtype=out_dtype, promote=promote)
+    return fp8_matmul(a.data, b.data, a.scale, b.scale, out_dtype=out_dtype, promote=promote, kernel=kernel)

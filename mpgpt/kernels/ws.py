@@ -52,6 +52,11 @@ try:
                                                                   warpgroup_mma_wait)
 except Exception as e:  # no Triton, or one without Gluon's Hopper module
     WS_IMPORT_ERROR = WS_IMPORT_ERROR or f"triton.experimental.gluon is unavailable ({e})"
+else:
+    # Triton 3.9 renamed Gluon's TMA copies (async_copy_global_to_shared -> async_load,
+    # async_copy_shared_to_global -> async_store; same arguments) and made the old names raise.
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 # The one configuration (on the H200, 4 stages beat 3 at each of the three shapes timed both ways).
 BLOCK_M, BLOCK_N, EXTRA_N, BLOCK_K, STAGES, GROUP_M, NUM_WARPS = 128, 128, 64, 64, 4, 8, 8
@@ -92,9 +97,9 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                 # phase 0 returns at once.
                 mbarrier.wait(empty.index(s), ((p // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), nbytes)
-                tma.async_copy_global_to_shared(a_desc, [off_m, k * BLOCK_K], ready.index(s), a_bufs.index(s))
-                tma.async_copy_global_to_shared(b_desc, [off_n, k * BLOCK_K], ready.index(s), b_bufs.index(s))
-                tma.async_copy_global_to_shared(b2_desc, [off_n + BLOCK_N, k * BLOCK_K], ready.index(s),
+                tma_load(a_desc, [off_m, k * BLOCK_K], ready.index(s), a_bufs.index(s))
+                tma_load(b_desc, [off_n, k * BLOCK_K], ready.index(s), b_bufs.index(s))
+                tma_load(b2_desc, [off_n + BLOCK_N, k * BLOCK_K], ready.index(s),
                                                 b2_bufs.index(s))
                 p += 1
 
@@ -154,8 +159,8 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             c_smem.store(y.to(c_desc.dtype))  # one rounding
             c2_smem.store(y2.to(c2_desc.dtype))
             fence_async_shared()  # the stores above, visible to the TMA unit
-            tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
-            tma.async_copy_shared_to_global(c2_desc, [off_m, off_n + BLOCK_N], c2_smem)
+            tma_store(c_desc, [off_m, off_n], c_smem)
+            tma_store(c2_desc, [off_m, off_n + BLOCK_N], c2_smem)
         tma.store_wait(pendings=0)
 
     @gluon.jit
