@@ -46,7 +46,7 @@ from mpgpt.fp8 import E4M3, E5M2, ScaledFp8
 from . import env, fp8_ws
 from .env import tl, triton
 from .epilogue import tile_coords
-from .launch import compiled_launch, lean_launch_enabled
+from .launch import autotune_enabled, compiled_launch, lean_launch_enabled
 from .tma import set_allocator
 
 FP8_DTYPES = {torch.float8_e4m3fn: E4M3, torch.float8_e5m2: E5M2}
@@ -280,7 +280,7 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out_dtype=tor
         # Everything that decides the launch (launch.py): with it, a repeat call skips the checks
         # and Triton's Python launch path, which cost more host time than a 4096^3 GEMM takes.
         key = (a.device.index, env.capability(a.device), a.dtype, b.dtype, out_dtype, M, N, K, a.stride(), b.stride(),
-               a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0, rowwise, promote, kernel)
+               a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0, rowwise, promote, kernel, autotune_enabled())
     remembered = _LAUNCHES.get(key) if key is not None else None
     if remembered is None:
         check_fp8_device(a)
@@ -329,9 +329,14 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out_dtype=tor
         args = (a, b, c, sa, sb, out_scale_t, amax, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                 c.stride(0), c.stride(1))
         kwargs = dict(UPCAST=False, **flags)
-    compiled = tuned[grid](*args, **kwargs)
-    if key is not None and hasattr(tuned, "best_config"):
-        launch = compiled_launch(tuned.fn, compiled, grid, args, {**kwargs, **tuned.best_config.all_kwargs()}, n_tensors=7)
+    if autotune_enabled():
+        compiled = tuned[grid](*args, **kwargs)
+        chosen = getattr(tuned, "best_config", None)
+    else:   # MPGPT_AUTOTUNE=0: the first configuration (TMA) or the smallest (pointer; it fits every fp8 GPU)
+        chosen = TMA_CONFIGS[0] if uses_tma else CONFIGS[-1]
+        compiled = tuned.fn[grid](*args, **kwargs, **chosen.all_kwargs())
+    if key is not None and chosen is not None:
+        launch = compiled_launch(tuned.fn, compiled, grid, args, {**kwargs, **chosen.all_kwargs()}, n_tensors=7)
         if launch is not None:
             _LAUNCHES[key] = _replay(launch, uses_tma)
     return (c, amax) if out_fp8 else c
