@@ -332,8 +332,8 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out_dtype=tor
     if autotune_enabled():
         compiled = tuned[grid](*args, **kwargs)
         chosen = getattr(tuned, "best_config", None)
-    else:   # MPGPT_AUTOTUNE=0: the first configuration (TMA) or the smallest (pointer; it fits every fp8 GPU)
-        chosen = TMA_CONFIGS[0] if uses_tma else CONFIGS[-1]
+    else:   # MPGPT_AUTOTUNE=0: each kernel's smallest configuration, which fits any output dtype and fp8 GPU
+        chosen = TMA_CONFIGS[-1] if uses_tma else CONFIGS[-1]
         compiled = tuned.fn[grid](*args, **kwargs, **chosen.all_kwargs())
     if key is not None and chosen is not None:
         launch = compiled_launch(tuned.fn, compiled, grid, args, {**kwargs, **chosen.all_kwargs()}, n_tensors=7)
