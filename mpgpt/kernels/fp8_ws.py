@@ -1,6 +1,6 @@
 """The promoted fp8 GEMM for Hopper, warp-specialised and written in Gluon (chapter 9).
 
-    c = (a @ b.T) * scale_a * scale_b      a: (M, K) fp8   b: (N, K) fp8   c: (M, N) bf16/fp16
+    c = (a @ b.T) * scale_a * scale_b      a: (M, K) fp8   b: (N, K) fp8   c: (M, N) bf16/fp16/fp32
 
 Why a second fp8 kernel. Hopper's fp8 tensor cores keep about 14 mantissa bits while they
 accumulate, so an accurate fp8 GEMM *promotes*: every 128 elements of K it adds the tensor
@@ -22,21 +22,25 @@ busy. Triton's tile language cannot say "these warps, independently"; Gluon can:
   (`use_acc=False`: the partial sum of these 128 elements of K, from zero), waits for it, tells
   the producer it is done with the stage, and adds the partial sum into its fp32 accumulator;
 * the two consumers run free: nothing makes them take turns. On the H200 forcing turns (two
-  mbarriers passed back and forth, as CUTLASS's ping-pong kernels do) was 1-3 % slower, and
-  128 x 128 tiles 4-8 % slower than 128 x 256 (benchmarks/NOTES-kernels.md).
+  mbarriers passed back and forth, as CUTLASS's ping-pong kernels do) was no faster (up to 4 %
+  slower), and 128 x 128 tiles 4-9 % slower than 128 x 256 (a sweep outside the record,
+  benchmarks/NOTES-kernels.md).
 
 A tile is 128 rows by 256 columns, made as two 128-column parts. Each part has its own fp32
 accumulator (64 registers a thread) and both reuse one scratch accumulator: 3 x 64 registers a
 thread for the sums. That is why the halves are not one 256-wide MMA: a 128-register
 accumulator plus a 128-register scratch would not fit beside the addresses.
 
-The epilogue is fp8_matmul's for a 16-bit output: the scales (one each, or one per row of a and
+The epilogue is fp8_matmul's for a 16- or 32-bit output: the scales (one each, or one per row of a and
 of b) applied once in fp32, one rounding, TMA stores (which drop what lies past the edges; loads
 past the edges read zeros, so a ragged K adds nothing).
 
-Scope, checked by `fp8_ws_eligible`: sm_90 exactly, Gluon importable, compiled mode, a bf16/fp16
+Scope, checked by `fp8_ws_eligible`: sm_90 exactly, Gluon importable, compiled mode, a bf16/fp16/fp32
 output, both operands row-major with 16-byte aligned bases and row pitches, C too. An fp8 output
 (with its amax) stays on fp8_matmul.py's kernels.
+
+Measured on the H200 (record fp8-h200, do_bench): promoting, 1.04x and 0.93x of cuBLAS's promoted
+fp8 GEMM (torch._scaled_mm) at 4096^3 and 8192^3, 1.67x and 1.72x bf16 cuBLAS.
 """
 from __future__ import annotations
 
