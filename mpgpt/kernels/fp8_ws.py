@@ -67,17 +67,7 @@ FP8_OPERANDS = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 if WS_FP8_IMPORT_ERROR is None and not env.interpreting():
 
-    @gluon.jit
-    def _tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
-                      TILE_N: gl.constexpr):
-        """Corner of tile `tile_id` in grouped order (as epilogue.tile_coords, in Gluon)."""
-        num_pid_in_group = GROUP_M * num_pid_n
-        group_id = tile_id // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + (tile_id % num_pid_in_group) % group_size_m
-        pid_n = (tile_id % num_pid_in_group) // group_size_m
-        return pid_m * BLOCK_M, pid_n * TILE_N
+    from .ws import tile_offsets   # a tile's corner in grouped order, shared with the bf16 kernel
 
     @gluon.jit
     def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
@@ -93,7 +83,7 @@ if WS_FP8_IMPORT_ERROR is None and not env.interpreting():
         k_tiles = gl.cdiv(K, BLOCK_K)
         p = 0  # steps loaded so far; step p uses stage p % STAGES
         for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-            off_m, off_n = _tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, 2 * HALF_M, SPLIT * SUB_N)
+            off_m, off_n = tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, 2 * HALF_M, SPLIT * SUB_N)
             for k in range(k_tiles):
                 s = p % STAGES
                 # both consumers must have released the stage (the first pass returns at once)
@@ -137,7 +127,7 @@ if WS_FP8_IMPORT_ERROR is None and not env.interpreting():
             scale = gl.load(scale_a_ptr) * gl.load(scale_b_ptr)
         c = 0  # steps consumed so far
         for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-            off_m, off_n = _tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, 2 * HALF_M, SPLIT * SUB_N)
+            off_m, off_n = tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, 2 * HALF_M, SPLIT * SUB_N)
             off_m += HALF * HALF_M
             acc0 = gl.zeros((HALF_M, SUB_N), gl.float32, layout)      # (64, 128): columns off_n ..
             acc1 = gl.zeros((HALF_M, SUB_N), gl.float32, layout)      # (64, 128): columns off_n + 128 ..

@@ -64,7 +64,7 @@ BLOCK_M, BLOCK_N, EXTRA_N, BLOCK_K, STAGES, GROUP_M, NUM_WARPS = 128, 128, 64, 6
 if WS_IMPORT_ERROR is None and not env.interpreting():
 
     @gluon.jit
-    def _tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
+    def tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
                       TILE_N: gl.constexpr):
         """Corner of tile `tile_id` in grouped order (as epilogue.tile_coords, in Gluon)."""
         num_pid_in_group = GROUP_M * num_pid_n
@@ -89,7 +89,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         k_tiles = gl.cdiv(K, BLOCK_K)
         p = 0  # steps loaded so far; step p uses stage p % STAGES
         for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-            off_m, off_n = _tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, TILE_N)
+            off_m, off_n = tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, TILE_N)
             for k in range(k_tiles):
                 s = p % STAGES
                 # Wait until the MMA warps released this stage. In the first pass through the
@@ -131,7 +131,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         acc2 = gl.zeros((BLOCK_M, EXTRA_N), gl.float32, layout2)   # (BLOCK_M, EXTRA_N): the next columns
         c = 0  # steps consumed so far
         for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-            off_m, off_n = _tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N + EXTRA_N)
+            off_m, off_n = tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N + EXTRA_N)
             if HAS_BIAS:  # loaded now, so that its latency hides behind the MMAs
                 bias = _load_bias(bias_ptr, off_n, N, BLOCK_N, layout)
                 bias2 = _load_bias(bias_ptr, off_n + BLOCK_N, N, EXTRA_N, layout2)
