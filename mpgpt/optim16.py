@@ -219,6 +219,15 @@ class Coefficients:
     eps: float
     lr_wd: float           # lr * weight_decay (decoupled decay, as torch.optim.AdamW)
 
+    def values(self) -> list[float]:
+        """The eight numbers in field order: the order the fused kernel reads them in."""
+        return [self.beta1, self.one_minus_beta1, self.beta2, self.one_minus_beta2, self.step_size,
+                self.inv_sqrt_bc2, self.eps, self.lr_wd]
+
+    def as_tensor(self, device) -> torch.Tensor:
+        """The eight numbers as an fp32 tensor on ``device`` (exact: each is an fp32 value already)."""
+        return torch.tensor(self.values(), dtype=torch.float32, device=device)
+
 
 def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]  # round to the nearest fp32, ties to even
@@ -249,16 +258,19 @@ def new_state(param: torch.Tensor, variant: str) -> dict:
 
 @torch.no_grad()
 def adamw16_update(param: torch.Tensor, grad: torch.Tensor, state: dict, variant: str, c: Coefficients,
-                   key64: int = 0, offset: int = 0) -> None:
+                   key64: int = 0, offset: int = 0, grad_div: torch.Tensor | None = None) -> None:
     """One AdamW step of one parameter in place, stored as ``variant`` says: the CPU reference.
 
     ``offset`` is the index of the parameter's first element in the optimizer's flat numbering
-    (the Philox counter); ``key64`` is the step's key (`step_seed`). All arithmetic is fp32;
-    the order of operations is the fused kernel's, so both give the same bits.
+    (the Philox counter); ``key64`` is the step's key (`step_seed`). ``grad_div`` (a one-element
+    tensor, or None for 1) divides every gradient first: gradient clipping's factor. All
+    arithmetic is fp32; the order of operations is the fused kernel's, so both give the same bits.
     """
     v = _variant(variant)
     n = param.numel()
     g = grad.reshape(-1).to(torch.float32)                                 # (n,)
+    if grad_div is not None:
+        g = _div_rn(g, grad_div.reshape(1).to(device=g.device, dtype=torch.float32))
     w_bits = load_bits(param.detach().reshape(-1))                         # (n,) bf16 bits
     r_w, r_m, r_v = random_bits(key64, offset, n) if "stochastic" in (v.weights, v.moments) else (None,) * 3
 
@@ -356,6 +368,31 @@ class AdamW16(torch.optim.Optimizer):
             self.group_offsets.append(offset)
             offset += start
 
+    def prepare(self, step: int, lr: float | None = None) -> None:
+        """Fix optimizer step number ``step`` (1-based) and, if given, every group's learning rate
+        for the next ``step()``.
+
+        A trainer calls this before each step, so the bias corrections follow *its* step count
+        (which a checkpoint restores) rather than the optimizer's own. A step recorded as a CUDA
+        graph never runs ``step()``'s Python again: the fused optimizer (`FusedAdamW16`) therefore
+        writes the step's coefficients here into device tensors that the recorded kernels read.
+        """
+        if step < 1:
+            raise ValueError(f"optimizer steps count from 1, got {step}")
+        if lr is not None:
+            for group in self.param_groups:
+                group["lr"] = lr
+        self.steps = step - 1
+        self._write_coefficients(self._coefficients(step))
+        self._prepared = step
+
+    def _coefficients(self, step: int) -> list[Coefficients]:
+        return [coefficients(g["lr"], g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"], step)
+                for g in self.param_groups]
+
+    def _write_coefficients(self, coefs: list[Coefficients]) -> None:
+        """Where a subclass keeps the step's coefficients for its kernels (nothing to do on the CPU)."""
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -364,26 +401,78 @@ class AdamW16(torch.optim.Optimizer):
                 loss = closure()
         self.steps += 1
         key = step_seed(self.seed, self.steps)
-        for group, flat, offset in zip(self.param_groups, self.flat, self.group_offsets):
-            b1, b2 = group["betas"]
-            c = coefficients(group["lr"], b1, b2, group["eps"], group["weight_decay"], self.steps)
-            self._update_group(group["params"], flat, offset, c, key)
+        coefs = self._coefficients(self.steps)
+        if getattr(self, "_prepared", None) != self.steps:  # prepare() wrote this step's already
+            self._write_coefficients(coefs)
+        self._prepared = None
+        # gradient clipping's divisor, set by the caller as for torch's fused AdamW (None: 1)
+        grad_div = getattr(self, "grad_scale", None)
+        for i, (group, flat, offset) in enumerate(zip(self.param_groups, self.flat, self.group_offsets)):
+            self._update_group(group["params"], flat, offset, coefs[i], key, i, grad_div)
         return loss
 
-    def _update_group(self, params, flat: dict, offset: int, c: Coefficients, key: int) -> None:
-        """One step over one parameter group (a subclass may run it another way, e.g. fused)."""
+    def _update_group(self, params, flat: dict, offset: int, c: Coefficients, key: int, index: int = 0,
+                      grad_div: torch.Tensor | None = None) -> None:
+        """One step over group number ``index`` (a subclass may run it another way, e.g. fused)."""
         if all(p.grad is not None for p in params) and len({p.dtype for p in params}) == 1:
             # the whole group at once: fewer, larger operations (what the fused kernel does)
             w = torch.cat([p.detach().reshape(-1) for p in params])
             g = torch.cat([p.grad.reshape(-1).float() for p in params])
-            adamw16_update(w, g, flat, self.variant, c, key, offset)
+            adamw16_update(w, g, flat, self.variant, c, key, offset, grad_div)
             for p, chunk in zip(params, w.split([p.numel() for p in params])):
                 p.detach().copy_(chunk.view_as(p))
         else:
             for p in params:
                 if p.grad is not None:
                     state = self.state[p]
-                    adamw16_update(p, p.grad, state, self.variant, c, key, state["offset"])
+                    adamw16_update(p, p.grad, state, self.variant, c, key, state["offset"], grad_div)
+
+    def state_dict(self) -> dict:
+        """The flat state of every group (copies), the step count, and torch's param_groups.
+
+        torch.optim.Optimizer's own load_state_dict would cast every state tensor to its
+        parameter's dtype, turning fp32 masters and moments into bf16; this pair keeps them."""
+        return {"variant": self.variant, "seed": self.seed, "steps": self.steps, "state": {},
+                "flat": [{name: t.detach().clone() for name, t in flat.items()} for flat in self.flat],
+                "param_groups": super().state_dict()["param_groups"]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Copy a `state_dict` into this optimizer's buffers in place (the parameters' views of them stay)."""
+        if state.get("variant") != self.variant or len(state.get("flat", ())) != len(self.flat):
+            raise ValueError(f"this state is for variant {state.get('variant')!r} with "
+                             f"{len(state.get('flat', ()))} groups; the optimizer is {self.variant!r} with "
+                             f"{len(self.flat)}: build the optimizer as the saved run did")
+        for saved, flat in zip(state["flat"], self.flat):
+            if saved.keys() != flat.keys() or any(saved[k].shape != flat[k].shape for k in flat):
+                raise ValueError("the saved optimizer state does not match the parameters' sizes; "
+                                 "resume with the model the state was saved from")
+        for saved, flat in zip(state["flat"], self.flat):
+            for name, t in flat.items():
+                t.copy_(saved[name])
+        for group, saved in zip(self.param_groups, state["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.seed, self.steps = state["seed"], state["steps"]
+
+    @torch.no_grad()
+    def load_fp32_weights(self, weights: dict) -> None:
+        """Make ``weights[p]`` (fp32) the value this optimizer holds for each parameter ``p`` given,
+        e.g. the weights a model had before it was cast to bf16: a master, or a bf16 weight with its
+        16-bit remainder, keeps every bit of it; the other variants round it to nearest."""
+        v = VARIANTS[self.variant]
+        for p, value in weights.items():
+            if p not in self.state or value.numel() != p.numel():
+                raise ValueError("load_fp32_weights takes {parameter: tensor of its size} for this optimizer's "
+                                 "parameters")
+            w = value.detach().reshape(-1).to(device=p.device, dtype=torch.float32)
+            hi, lo = split_mantissa(bits_of(w))
+            state = self.state[p]
+            if v.weights == "fp32-master":
+                state["master"].copy_(w)
+            elif v.weights == "mantissa":
+                state["mantissa"].copy_(lo.to(torch.int16))
+            else:
+                hi = round_nearest_bits(bits_of(w))
+            store_bits(p.detach().reshape(-1), hi)
 
     def fp32_weight(self, p: torch.Tensor) -> torch.Tensor:
         """The fp32 value the optimizer holds for parameter ``p`` (flat): the master, the rebuilt

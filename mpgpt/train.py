@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from mpgpt.checkpoint import CheckpointError
+from mpgpt.optim16 import VARIANTS
 from mpgpt.scaling import SCALERS
 from mpgpt.distributed import DistributedTrainer, launched_by_torchrun
 from mpgpt.trainer import DivergenceError, History, Trainer, TrainConfig, lr_at
@@ -94,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clip the gradients inside the fused AdamW kernel (CUDA), saving a pass over them")
     p.add_argument("--cuda-graph", action="store_true",
                    help="record the whole step once as a CUDA graph and replay it (CUDA, one process, fixed batch)")
+    p.add_argument("--optim16", default=None, metavar="VARIANT", choices=list(VARIANTS),
+                   help="keep the model in bf16 and train it with the fused 16-bit AdamW, its state stored as "
+                        "VARIANT says (fp32-master: fp32 masters and moments, llm.c's recipe); needs --precision bf16")
     p.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard with FSDP2 (bf16 params, fp32 reduce) instead of DDP")
     p.add_argument("--ddp-bucket-mb", type=float, default=d.ddp_bucket_mb,
@@ -109,7 +113,7 @@ def config_from_args(args) -> TrainConfig:
         device=args.device, seed=args.seed, out_dir=args.out_dir, checkpoint_interval=args.checkpoint_interval,
         resume=args.resume, eval_interval=args.eval_interval, sample_tokens=args.sample_tokens,
         progress=not args.no_progress, fsdp=args.fsdp, ddp_bucket_mb=args.ddp_bucket_mb,
-        fused_clip=args.fused_clip, cuda_graph=args.cuda_graph)
+        fused_clip=args.fused_clip, cuda_graph=args.cuda_graph, optim16=args.optim16)
 
 
 def main(argv=None) -> int:

@@ -37,6 +37,7 @@ from mpgpt.checkpoint import (CheckpointError, check_compatible, check_global_ba
                               save_checkpoint)
 from mpgpt.data import TextDataset, default_corpus, download_tiny_shakespeare, load_text
 from mpgpt.graph_step import GraphedStep
+from mpgpt.optim16 import VARIANTS, AdamW16
 from mpgpt.model import GPT, GPTConfig, peak_flops
 from mpgpt.precision import MasterWeights, resolve_precision
 from mpgpt.scaling import SCALERS, BaseLossScaler, NullScaler, make_scaler
@@ -51,6 +52,8 @@ class DivergenceError(RuntimeError):
 
 def total_norm(grads) -> torch.Tensor:
     """The 2-norm of all gradients together, as clip_grad_norm_ computes it (a few multi-tensor kernels)."""
+    if any(g.dtype != torch.float32 for g in grads):  # 16-bit gradients: sum their squares in fp32
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
     if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
         return torch.nn.utils.get_total_norm(grads)
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
@@ -93,6 +96,13 @@ class TrainConfig:
     # (mpgpt.graph_step): the host launches one graph per step instead of hundreds of kernels.
     # CUDA only, one process, a fixed batch shape, the package's own loss scalers (not GradScaler).
     cuda_graph: bool = False
+    # Keep the model itself in bf16 and train it with the package's fused 16-bit AdamW
+    # (mpgpt.optim16 / mpgpt.kernels.adamw16), whose state holds what the variant says: "fp32-master"
+    # is llm.c's recipe (bf16 weights and gradients, fp32 master copy and moments, one pass per
+    # step), "bf16-mantissa" the same numbers in 2 bytes less per parameter. None: fp32 weights
+    # under autocast and torch's AdamW. Needs precision "bf16" and no loss scaler; clipping then
+    # always happens inside the optimizer's kernel.
+    optim16: str | None = None
     dropout: float = 0.0
     eval_interval: int = 100
     eval_batches: int = 10
@@ -145,6 +155,17 @@ class TrainConfig:
                              f"not {self.compile_mode!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.optim16 is not None:
+            if self.optim16 not in VARIANTS:
+                raise ValueError(f"unknown optim16 variant {self.optim16!r}; choose one of {', '.join(VARIANTS)}")
+            if self.precision != "bf16" or self.scaler not in ("auto", "none"):
+                raise ValueError(f"optim16 trains a bf16 model without loss scaling; use precision 'bf16' and "
+                                 f"scaler 'none' with it, not {self.precision!r} and {self.scaler!r}")
+            if self.fsdp:
+                raise ValueError("optim16 keeps its state in flat buffers that FSDP2 cannot shard; leave fsdp off")
+            if self.cuda_graph and "stochastic" in (VARIANTS[self.optim16].weights, VARIANTS[self.optim16].moments):
+                raise ValueError(f"a recorded step would replay one step's random bits forever; use cuda_graph "
+                                 f"with a variant that rounds to nearest (e.g. fp32-master), not {self.optim16!r}")
 
 
 @dataclass
@@ -251,6 +272,11 @@ class Trainer:
                 overrides.pop("vocab_size")  # keep the padded 50304 of GPT-2's vocabulary
             model = GPT(GPTConfig.preset(cfg.preset, **overrides))
         self.model = model.to(self.device)
+        fp32_weights = None
+        if cfg.optim16:
+            # The model becomes the bf16 copy; the optimizer starts from the fp32 values (below).
+            fp32_weights = {p: p.detach().clone() for p in self.model.parameters()}
+            self.model.to(torch.bfloat16)
         self.block_size = self.model.config.block_size
         if self.model.config.vocab_size < self.data.tokenizer.vocab_size:
             raise ValueError(f"the model's vocabulary ({self.model.config.vocab_size}) is smaller than the "
@@ -261,12 +287,16 @@ class Trainer:
         named = self.master.named_params() if self.master else list(self.model.named_parameters())
         self.params = [p for _, p in named]
         self.optimizer = self.build_optimizer(named)
+        if fp32_weights is not None:
+            self.optimizer.load_fp32_weights(fp32_weights)
+            del fp32_weights
         self.scaler = make_scaler(cfg.scaler, self.policy, self.device, static_scale=cfg.static_scale,
                                   init_scale=cfg.init_scale, growth_interval=cfg.growth_interval,
                                   hysteresis=cfg.hysteresis, min_scale=cfg.min_scale)
         self.forward = self.compiled(self.model)
         self.graphed = self._graphed_step() if cfg.cuda_graph else None
-        self.clips_in_optimizer = cfg.fused_clip and cfg.grad_clip > 0 and self._can_fuse_clip()
+        self.clips_in_optimizer = ((cfg.fused_clip or cfg.optim16 is not None) and cfg.grad_clip > 0
+                                   and self._can_fuse_clip())
         self.data_gen = torch.Generator().manual_seed(cfg.seed)
         self.step = 0
         self._pending, self._t_last = [], time.perf_counter()  # steps run() has not logged yet (_flush)
@@ -279,6 +309,8 @@ class Trainer:
         decay on matrices only (param_groups). On CUDA the fused kernel: one launch for every
         parameter, and the loss scalers hand it the inf/nan flag so a skipped step needs no sync."""
         cfg = self.cfg
+        if cfg.optim16:
+            return self._build_optim16(named_params)
         if cfg.cuda_graph and self.device.type == "cuda":
             # A recorded step reads the learning rate from a device tensor, set in place every step.
             return torch.optim.AdamW(param_groups(named_params, cfg.weight_decay),
@@ -286,6 +318,21 @@ class Trainer:
                                      fused=True, capturable=True)
         return torch.optim.AdamW(param_groups(named_params, cfg.weight_decay), lr=cfg.lr,
                                  betas=(cfg.beta1, cfg.beta2), fused=self.device.type == "cuda")
+
+    def _build_optim16(self, named_params) -> AdamW16:
+        """The 16-bit AdamW over the bf16 model: the fused Triton kernel on a GPU, else the reference."""
+        cfg = self.cfg
+        groups = param_groups(named_params, cfg.weight_decay)
+        hyper = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, variant=cfg.optim16, seed=cfg.seed)
+        if self.device.type == "cuda":
+            from mpgpt.kernels import env as kenv
+            if kenv.kernels_available()[0]:
+                from mpgpt.kernels.adamw16 import FusedAdamW16
+                return FusedAdamW16(groups, **hyper)
+            if cfg.cuda_graph:
+                raise ValueError("cuda_graph with optim16 needs the fused Triton kernel, and Triton is not usable "
+                                 f"here ({kenv.kernels_available()[1]}); leave cuda_graph off")
+        return AdamW16(groups, **hyper)
 
     def _graphed_step(self):
         """The step recorder (mpgpt.graph_step), after checking this run can be recorded."""
@@ -303,6 +350,9 @@ class Trainer:
         ``optimizer.grad_scale`` and divides every gradient by it. Only with our own scalers (or none),
         which leave a grad_scale set by the caller in place; torch's GradScaler overwrites it. Not under
         FSDP2, whose sharded gradients make the norm a distributed tensor; clip_grad_norm_ handles that."""
+        if isinstance(self.optimizer, AdamW16):
+            return True  # it divides by optimizer.grad_scale too, in the same pass (and on bf16 gradients
+            # that is the better place: clip_grad_norm_ would round the clipped gradients to bf16)
         fused = isinstance(self.optimizer, torch.optim.AdamW) and bool(self.optimizer.defaults.get("fused"))
         return fused and not self.cfg.fsdp and isinstance(self.scaler, (NullScaler, BaseLossScaler))
 
@@ -333,6 +383,9 @@ class Trainer:
 
     def _set_lr(self, lr: float) -> None:
         """This step's learning rate: written into the device tensor a recorded step reads, else set."""
+        if isinstance(self.optimizer, AdamW16):
+            self.optimizer.prepare(self.step + 1, lr)  # bias corrections from the trainer's own count
+            return
         for group in self.optimizer.param_groups:
             if self.graphed is not None:
                 group["lr"].fill_(lr)
@@ -459,7 +512,7 @@ class Trainer:
         if self.master is not None:
             self.master.load_state_dict(state["master"])
         self.optimizer.load_state_dict(state["optimizer"])
-        if self.graphed is not None:
+        if self.graphed is not None and not isinstance(self.optimizer, AdamW16):  # that one loads in place
             # The loaded optimizer state is new tensors, which a recorded step would not see: record
             # again, with the learning rate back in a device tensor.
             for group in self.optimizer.param_groups:
@@ -480,6 +533,9 @@ class Trainer:
             if set(saved) != set(live) or any(tuple(saved[k].shape) != tuple(v.shape) for k, v in live.items()):
                 raise CheckpointError("checkpoint's fp32 master weights do not match the model; resume with "
                                       "the same preset, overrides and --precision")
+        if state["optimizer"].get("variant") != (self.cfg.optim16 or None):
+            raise CheckpointError(f"checkpoint's optimizer is optim16 {state['optimizer'].get('variant')}, this run's "
+                                  f"is {self.cfg.optim16}; resume with the same --optim16")
         groups = state["optimizer"]["param_groups"]
         live_groups = self.optimizer.state_dict()["param_groups"]
         if [len(g.get("params", ())) for g in groups] != [len(g["params"]) for g in live_groups]:

@@ -43,8 +43,10 @@ REFERENCE_PEAK = PEAK_BF16["H200"]
 # fused_clip: the clipping factor applied inside the fused AdamW kernel (TrainConfig.fused_clip);
 # inductor: torch._inductor.config settings in force while the configuration compiles and runs;
 # cuda_graph: the whole step recorded once and replayed (TrainConfig.cuda_graph, mpgpt.graph_step).
+# optim16: the model kept in bf16 and trained by the fused 16-bit AdamW (TrainConfig.optim16).
 def _config(precision, scaler="none", compile=None, triton=False, bias=True, checkpointing=False, chunked_loss=0,
-            attention="sdpa", clip=True, fused_loss=False, fused_clip=False, inductor=None, cuda_graph=False):
+            attention="sdpa", clip=True, fused_loss=False, fused_clip=False, inductor=None, cuda_graph=False,
+            optim16=None):
     spec = dict(precision=precision, scaler=scaler, compile=compile, triton=triton, bias=bias,
                 checkpointing=checkpointing, chunked_loss=chunked_loss, attention=attention, clip=clip,
                 fused_loss=fused_loss)
@@ -54,6 +56,8 @@ def _config(precision, scaler="none", compile=None, triton=False, bias=True, che
         spec["inductor"] = dict(inductor)
     if cuda_graph:
         spec["cuda_graph"] = True
+    if optim16:
+        spec["optim16"] = optim16
     return spec
 
 
@@ -127,6 +131,22 @@ TRAIN_CONFIGS = {
     "bf16+compile-nobias+fused-ce+fused-clip+step-graph+no-mix-order": _config(
         "bf16", compile="default", bias=False, fused_loss=True, fused_clip=True, cuda_graph=True,
         inductor=NO_MIX_ORDER),
+    # llm.c's recipe on the row above: the model itself in bf16 (no casts of the weights, a bf16
+    # residual stream), fp32 masters and moments. First with the O2 policy's separate copies and
+    # torch's AdamW, then with one fused pass per parameter (clipping inside it), then with the
+    # master held as the bf16 weight's 16 missing bits (the same numbers, 4 bytes less to move).
+    "bf16-master+compile+fused-ce+fused-clip+step-graph+no-mix-order": _config(
+        "bf16-master", compile="default", fused_loss=True, fused_clip=True, cuda_graph=True, inductor=NO_MIX_ORDER),
+    "bf16+compile+fused-ce+optim16+step-graph+no-mix-order": _config(
+        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="fp32-master"),
+    "bf16+compile+fused-ce+optim16-mantissa+step-graph+no-mix-order": _config(
+        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="bf16-mantissa"),
+    "bf16+compile-nobias+fused-ce+optim16+step-graph+no-mix-order": _config(
+        "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
+        optim16="fp32-master"),
+    "bf16+compile-nobias+fused-ce+optim16-mantissa+step-graph+no-mix-order": _config(
+        "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
+        optim16="bf16-mantissa"),
 }
 
 
@@ -161,7 +181,7 @@ def make_trainer(name, preset="gpt2", batch_size=12, block_size=None, device=Non
                   compile=spec["compile"] is not None, compile_mode=spec["compile"] or "default",
                   progress=False, sample_tokens=0, steps=10**9, warmup_steps=10, lr=6e-4,
                   grad_clip=1.0 if spec["clip"] else 0.0, fused_clip=spec.get("fused_clip", False),
-                  cuda_graph=spec.get("cuda_graph", False))
+                  cuda_graph=spec.get("cuda_graph", False), optim16=spec.get("optim16"))
     cfg = TrainConfig(**{**fields, **config})
     overrides = {"block_size": block_size} if block_size else {}
     model = GPT(GPTConfig.preset(preset, bias=spec["bias"], attention=spec["attention"], **overrides))

@@ -61,10 +61,17 @@ def _adamw16_kernel(
     g_ptr,          # (n,) gradients: int16 bits of bf16 if GRAD_BF16, else fp32
     m_ptr, v_ptr,   # (n,) moments: fp32, or int16 bits of bf16 if MOMENTS > 0
     x_ptr,          # (n,) extra buffer: fp32 master / int16 compensation bits / int16 remainder
+    coef_ptr,       # (8,) fp32 on the device: the step's Coefficients, in their field order
+    div_ptr,        # (1,) fp32 on the device: every gradient is divided by it (1, or the clipping factor)
     n, offset, key,  # element count, flat index of element 0 (Philox counter), the step's Philox key
-    beta1, omb1, beta2, omb2, step_size, inv_sqrt_bc2, eps, lr_wd,  # fp32 scalars (Coefficients)
     WEIGHTS: tl.constexpr, MOMENTS: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    # The scalars are read from device memory, not passed by value, so that a step recorded in a
+    # CUDA graph picks up each replay's learning rate, bias corrections and clipping factor.
+    beta1, omb1 = tl.load(coef_ptr + 0), tl.load(coef_ptr + 1)
+    beta2, omb2 = tl.load(coef_ptr + 2), tl.load(coef_ptr + 3)
+    step_size, inv_sqrt_bc2 = tl.load(coef_ptr + 4), tl.load(coef_ptr + 5)
+    eps, lr_wd = tl.load(coef_ptr + 6), tl.load(coef_ptr + 7)
     pid = tl.program_id(0)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
@@ -72,6 +79,7 @@ def _adamw16_kernel(
         g = _bf16_to_f32(tl.load(g_ptr + idx, mask=mask, other=0))
     else:
         g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    g = tl.div_rn(g, tl.load(div_ptr))   # exact when the divisor is 1
     w_bits = tl.load(w_ptr + idx, mask=mask, other=0)
     if WEIGHTS == 2 or MOMENTS == 2:
         r_w, r_m, r_v, _ = tl.randint4x(key, offset + idx)
@@ -135,11 +143,16 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def adamw16_fused(w: torch.Tensor, g: torch.Tensor, state: dict, variant: str, c: Coefficients,
-                  key64: int = 0, offset: int = 0, block: int = 1024) -> None:
+def adamw16_fused(w: torch.Tensor, g: torch.Tensor, state: dict, variant: str, c,
+                  key64: int = 0, offset: int = 0, block: int = 1024, grad_div: torch.Tensor | None = None) -> None:
     """One AdamW step over flat, contiguous ``w`` (bf16, updated in place) with gradients ``g``
     (bf16 or fp32) and ``state`` (`mpgpt.optim16.new_state`), stored as ``variant`` says.
-    The same arguments as `mpgpt.optim16.adamw16_update`, which it matches."""
+    The same arguments as `mpgpt.optim16.adamw16_update`, which it matches.
+
+    ``c`` is a `Coefficients`, or the same eight numbers already in an fp32 tensor on ``w``'s
+    device (``Coefficients.as_tensor``), which a recorded step reads afresh at every replay.
+    ``grad_div``, a one-element fp32 tensor on the device, divides every gradient (the clipping
+    factor max(1, norm / clip)); None divides by 1."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
     if w.dtype != torch.bfloat16 or not w.is_contiguous() or not g.is_contiguous() or g.numel() != w.numel():
@@ -155,11 +168,18 @@ def adamw16_fused(w: torch.Tensor, g: torch.Tensor, state: dict, variant: str, c
         raise ValueError(f"adamw16_fused indexes at most 2^31 - 1 elements (offset {offset} + {n} elements); "
                          "update a model this large with mpgpt.optim16.AdamW16")
     extra = state.get(v.extra_buffer) if v.extra_buffer else state["exp_avg"]  # unused when no buffer
+    coef = c.as_tensor(w.device) if isinstance(c, Coefficients) else c
+    if coef.dtype != torch.float32 or coef.shape != (8,) or coef.device != w.device:
+        raise ValueError(f"the coefficients must be an fp32 tensor of 8 on {w.device} (Coefficients.as_tensor), "
+                         f"got {coef.dtype} {tuple(coef.shape)} on {coef.device}")
+    div = torch.ones(1, device=w.device) if grad_div is None else grad_div
+    if div.dtype != torch.float32 or div.numel() != 1 or div.device != w.device:
+        raise ValueError(f"grad_div must be a one-element fp32 tensor on {w.device}, got {div.dtype} "
+                         f"{tuple(div.shape)} on {div.device}")
     grid = (triton.cdiv(n, block),)
     _adamw16_kernel[grid](
         _bits(w), _bits(g), _bits(state["exp_avg"]), _bits(state["exp_avg_sq"]), _bits(extra),
-        n, offset, key64,
-        c.beta1, c.one_minus_beta1, c.beta2, c.one_minus_beta2, c.step_size, c.inv_sqrt_bc2, c.eps, c.lr_wd,
+        coef, div, n, offset, key64,
         WEIGHTS=WEIGHT_CODES[v.weights], MOMENTS=MOMENT_CODES[v.moments], GRAD_BF16=g.dtype == torch.bfloat16,
         BLOCK=block, **({} if kenv.interpreting() else {"enable_fp_fusion": False}),
     )
@@ -171,7 +191,12 @@ class FusedAdamW16(AdamW16):
     Each parameter's state is a slice of the group's flat state and keeps its flat offset, so the
     random bits and therefore the result are the ones AdamW16 computes over the flat group, bit
     for bit; and nothing is concatenated or copied per step (AdamW16 on the CPU concatenates the
-    group). The parameters must be bf16 tensors (the model cast with ``model.to(torch.bfloat16)``)."""
+    group). The parameters must be bf16 tensors (the model cast with ``model.to(torch.bfloat16)``).
+
+    The step's coefficients live in one small device tensor per group, rewritten before every
+    step (`prepare` or `step`) and read by the kernels: a step recorded as a CUDA graph keeps
+    following the learning rate and the bias corrections. Its random bits do not (the Philox
+    key is a launch argument), so only the variants without stochastic rounding can be recorded."""
 
     def __init__(self, params, **kwargs):
         super().__init__(params, **kwargs)
@@ -184,10 +209,26 @@ class FusedAdamW16(AdamW16):
                     raise TypeError(f"FusedAdamW16 updates contiguous parameters, got one of shape {tuple(p.shape)} "
                                     f"with strides {p.stride()}: make it contiguous (p.data = p.data.contiguous()) "
                                     "before building the optimizer, or use mpgpt.optim16.AdamW16")
+        device = self.param_groups[0]["params"][0].device
+        self.coef = [torch.zeros(8, dtype=torch.float32, device=device) for _ in self.param_groups]
+        self.one = torch.ones(1, dtype=torch.float32, device=device)
 
-    def _update_group(self, params, flat, offset, c, key) -> None:
+    def _write_coefficients(self, coefs) -> None:
+        # From pinned memory without a sync: the host runs ahead while the copy waits its turn on
+        # the stream (torch keeps each pinned buffer alive until its copy has run).
+        pinned = self.coef[0].is_cuda
+        if pinned and torch.cuda.is_current_stream_capturing():
+            # a copy recorded now would replay this step's numbers at every later step
+            raise RuntimeError("a recorded FusedAdamW16 step needs its coefficients set beforehand: "
+                               "call optimizer.prepare(step, lr) before recording and before every replay")
+        for dst, c in zip(self.coef, coefs):
+            dst.copy_(torch.tensor(c.values(), dtype=torch.float32, pin_memory=pinned), non_blocking=pinned)
+
+    def _update_group(self, params, flat, offset, c, key, index=0, grad_div=None) -> None:
         """The group's step as one kernel launch per parameter, at the parameter's own flat offset."""
+        div = self.one if grad_div is None else grad_div.reshape(1).float()
         for p in params:
             if p.grad is not None:
                 state = self.state[p]
-                adamw16_fused(p.view(-1), p.grad.contiguous().view(-1), state, self.variant, c, key, state["offset"])
+                adamw16_fused(p.view(-1), p.grad.contiguous().view(-1), state, self.variant, self.coef[index], key,
+                              state["offset"], grad_div=div)
