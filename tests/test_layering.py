@@ -34,6 +34,7 @@ LAYERS = {
 # function-level imports that cross an optional dependency: (importer, imported) by layer name
 OPTIONAL_BOUNDARIES = {("model", "kernels")}
 OPTIONAL_BOUNDARIES.add(("fp8", "kernels"))  # Fp8Linear's fused cast; mpgpt.kernels.fp8_* import fp8 at the top
+OPTIONAL_BOUNDARIES.add(("trainer", "kernels"))  # optim16: the fused Triton AdamW on a GPU, the reference elsewhere
 
 
 def unit_of(module: str) -> str:
