@@ -144,7 +144,8 @@ def test_gpu_optim16_recorded_step_trains_like_the_eager_step():
         return Trainer(cfg, model=model, dataset=TextDataset(default_corpus()))
 
     eager, graphed, stale = build(), build(cuda_graph=True), build(cuda_graph=True)
-    stale._set_lr = lambda lr: None  # never prepared again after the recording
+    prepare_lr = stale._set_lr
+    stale._set_lr = lambda lr: None if stale.graphed.recorded else prepare_lr(lr)  # never again once recorded
     le, lg, ls = _losses(eager), _losses(graphed), _losses(stale)
     assert graphed.graphed.recorded and type(graphed.optimizer).__name__ == "FusedAdamW16"
     torch.testing.assert_close(lg, le, rtol=1e-4, atol=0)
@@ -172,3 +173,21 @@ def test_the_bench_rows_change_one_thing():
                            block_size=16, device="cpu", cuda_graph=False, compile=False)
     assert isinstance(trainer.optimizer, AdamW16) and trainer.optimizer.variant == "fp32-master"
     assert next(trainer.model.parameters()).dtype == torch.bfloat16 and trainer.clips_in_optimizer
+
+
+@pytest.mark.gpu
+def test_gpu_a_recording_without_prepared_coefficients_is_refused():
+    """Recording a FusedAdamW16 step that would copy its coefficients inside the graph (the copy
+    would replay one step's numbers forever) stops with what to do instead."""
+    from mpgpt.kernels.adamw16 import FusedAdamW16
+
+    p = torch.nn.Parameter(torch.randn(64, device="cuda").to(torch.bfloat16))
+    p.grad = torch.randn_like(p)
+    opt = FusedAdamW16([p], variant="fp32-master")
+    opt.step()  # eager: fine
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="call optimizer.prepare"):
+            with torch.cuda.graph(graph, stream=side):
+                opt.step()
