@@ -263,14 +263,16 @@ def adamw16_update(param: torch.Tensor, grad: torch.Tensor, state: dict, variant
 
     ``offset`` is the index of the parameter's first element in the optimizer's flat numbering
     (the Philox counter); ``key64`` is the step's key (`step_seed`). ``grad_div`` (a one-element
-    tensor, or None for 1) divides every gradient first: gradient clipping's factor. All
-    arithmetic is fp32; the order of operations is the fused kernel's, so both give the same bits.
+    tensor, or None for 1) divides every gradient first, as a multiplication by its correctly
+    rounded reciprocal: gradient clipping's factor. All arithmetic is fp32; the order of
+    operations is the fused kernel's, so both give the same bits.
     """
     v = _variant(variant)
     n = param.numel()
     g = grad.reshape(-1).to(torch.float32)                                 # (n,)
-    if grad_div is not None:
-        g = _div_rn(g, grad_div.reshape(1).to(device=g.device, dtype=torch.float32))
+    if grad_div is not None:  # times the correctly rounded reciprocal, as the kernel does
+        div = grad_div.reshape(1).to(device=g.device, dtype=torch.float32)
+        g = g * _div_rn(torch.ones_like(div), div)
     w_bits = load_bits(param.detach().reshape(-1))                         # (n,) bf16 bits
     r_w, r_m, r_v = random_bits(key64, offset, n) if "stochastic" in (v.weights, v.moments) else (None,) * 3
 

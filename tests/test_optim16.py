@@ -461,9 +461,10 @@ def test_without_triton_the_kernel_says_why_and_the_rest_works():
 @pytest.mark.parametrize("variant", ["all-bf16-sr", "bf16-mantissa", "fp32-master"])
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_the_fused_optimizer_equals_adamw16_bit_for_bit(variant, device):
-    """FusedAdamW16 launches the kernel once per parameter at its flat offset: over a few steps its
-    weights and state are AdamW16's, bit for bit (interpreter on the CPU; the GPU kernel is built
-    without FMA contraction, so it too rounds exactly as the reference)."""
+    """FusedAdamW16 launches the kernel once per large parameter at its flat offset and once for a
+    run of small ones: over a few steps, one of them clipped, its weights and state are AdamW16's,
+    bit for bit (interpreter on the CPU; the GPU kernel is built without FMA contraction, so it
+    too rounds exactly as the reference)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no GPU")
     if device == "cpu" and not kenv.interpreting():
@@ -477,11 +478,16 @@ def test_the_fused_optimizer_equals_adamw16_bit_for_bit(variant, device):
     ref = [torch.nn.Parameter(t.clone()) for t in start]
     fused = [torch.nn.Parameter(t.clone().to(device)) for t in start]
     opt_ref = AdamW16(ref, lr=1e-2, weight_decay=0.1, variant=variant, seed=4)
-    opt_fused = FusedAdamW16(fused, lr=1e-2, weight_decay=0.1, variant=variant, seed=4)
-    for _ in range(3):
+    # below 100 elements a parameter is batched: (33, 7) has its own launch, the other two share one
+    opt_fused = FusedAdamW16(fused, lr=1e-2, weight_decay=0.1, variant=variant, seed=4, batch_below=100)
+    assert [type(s).__name__ for s in opt_fused.segments[0]] == ["Parameter", "_Run"]
+    for i in range(3):
         for r, f in zip(ref, fused):
             r.grad = torch.randn(r.shape).to(torch.bfloat16)
             f.grad = r.grad.to(device)
+        # the clipping divisor on one step (an exact power of two would hide a wrong reciprocal)
+        opt_ref.grad_scale = torch.tensor([1.7]) if i == 1 else None
+        opt_fused.grad_scale = torch.tensor([1.7], device=device) if i == 1 else None
         opt_ref.step()
         opt_fused.step()
     for r, f in zip(ref, fused):

@@ -62,7 +62,7 @@ def _adamw16_kernel(
     m_ptr, v_ptr,   # (n,) moments: fp32, or int16 bits of bf16 if MOMENTS > 0
     x_ptr,          # (n,) extra buffer: fp32 master / int16 compensation bits / int16 remainder
     coef_ptr,       # (8,) fp32 on the device: the step's Coefficients, in their field order
-    div_ptr,        # (1,) fp32 on the device: every gradient is divided by it (1, or the clipping factor)
+    div_ptr,        # (1,) fp32 on the device: every gradient is multiplied by its reciprocal (clipping)
     n, offset, key,  # element count, flat index of element 0 (Philox counter), the step's Philox key
     WEIGHTS: tl.constexpr, MOMENTS: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -79,7 +79,7 @@ def _adamw16_kernel(
         g = _bf16_to_f32(tl.load(g_ptr + idx, mask=mask, other=0))
     else:
         g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    g = tl.div_rn(g, tl.load(div_ptr))   # exact when the divisor is 1
+    g = g * tl.div_rn(1.0, tl.load(div_ptr))   # one division per program, not per element; exact for 1
     w_bits = tl.load(w_ptr + idx, mask=mask, other=0)
     if WEIGHTS == 2 or MOMENTS == 2:
         r_w, r_m, r_v, _ = tl.randint4x(key, offset + idx)
@@ -152,7 +152,8 @@ def adamw16_fused(w: torch.Tensor, g: torch.Tensor, state: dict, variant: str, c
     ``c`` is a `Coefficients`, or the same eight numbers already in an fp32 tensor on ``w``'s
     device (``Coefficients.as_tensor``), which a recorded step reads afresh at every replay.
     ``grad_div``, a one-element fp32 tensor on the device, divides every gradient (the clipping
-    factor max(1, norm / clip)); None divides by 1."""
+    factor max(1, norm / clip)): they are multiplied by its correctly rounded reciprocal, as the
+    reference does. None divides by 1."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
     if w.dtype != torch.bfloat16 or not w.is_contiguous() or not g.is_contiguous() or g.numel() != w.numel():
@@ -186,19 +187,25 @@ def adamw16_fused(w: torch.Tensor, g: torch.Tensor, state: dict, variant: str, c
 
 
 class FusedAdamW16(AdamW16):
-    """`mpgpt.optim16.AdamW16` whose step runs `adamw16_fused`, one launch per parameter.
+    """`mpgpt.optim16.AdamW16` whose step runs `adamw16_fused`: one launch per large parameter,
+    one launch for each run of small ones.
 
     Each parameter's state is a slice of the group's flat state and keeps its flat offset, so the
     random bits and therefore the result are the ones AdamW16 computes over the flat group, bit
-    for bit; and nothing is concatenated or copied per step (AdamW16 on the CPU concatenates the
-    group). The parameters must be bf16 tensors (the model cast with ``model.to(torch.bfloat16)``).
+    for bit. A large parameter is updated where it lies: nothing is concatenated or copied. A
+    GPT has about a hundred small ones (biases, LayerNorm weights), each too small to fill the
+    GPU, and each launch costs a few microseconds however little it does; so consecutive
+    parameters below ``batch_below`` elements are gathered into one buffer (their gradients
+    too), updated by a single launch over their slice of the flat state, and copied back: a few
+    hundred kilobytes moved instead of a hundred launches. The parameters must be bf16 tensors
+    (the model cast with ``model.to(torch.bfloat16)``).
 
     The step's coefficients live in one small device tensor per group, rewritten before every
     step (`prepare` or `step`) and read by the kernels: a step recorded as a CUDA graph keeps
     following the learning rate and the bias corrections. Its random bits do not (the Philox
     key is a launch argument), so only the variants without stochastic rounding can be recorded."""
 
-    def __init__(self, params, **kwargs):
+    def __init__(self, params, batch_below: int = 1 << 16, **kwargs):
         super().__init__(params, **kwargs)
         for group in self.param_groups:
             for p in group["params"]:
@@ -212,6 +219,8 @@ class FusedAdamW16(AdamW16):
         device = self.param_groups[0]["params"][0].device
         self.coef = [torch.zeros(8, dtype=torch.float32, device=device) for _ in self.param_groups]
         self.one = torch.ones(1, dtype=torch.float32, device=device)
+        # per group: a list of single large parameters and runs of consecutive small ones
+        self.segments = [_segments(group["params"], batch_below, self.state) for group in self.param_groups]
 
     def _write_coefficients(self, coefs) -> None:
         # From pinned memory without a sync: the host runs ahead while the copy waits its turn on
@@ -225,10 +234,47 @@ class FusedAdamW16(AdamW16):
             dst.copy_(torch.tensor(c.values(), dtype=torch.float32, pin_memory=pinned), non_blocking=pinned)
 
     def _update_group(self, params, flat, offset, c, key, index=0, grad_div=None) -> None:
-        """The group's step as one kernel launch per parameter, at the parameter's own flat offset."""
+        """The group's step: one launch per large parameter at its own flat offset, one per run
+        of small parameters over the run's slice of the flat state."""
         div = self.one if grad_div is None else grad_div.reshape(1).float()
-        for p in params:
-            if p.grad is not None:
-                state = self.state[p]
-                adamw16_fused(p.view(-1), p.grad.contiguous().view(-1), state, self.variant, self.coef[index], key,
-                              state["offset"], grad_div=div)
+        coef = self.coef[index]
+        for seg in self.segments[index]:
+            if isinstance(seg, _Run) and all(p.grad is not None and p.grad.dtype == seg.grad.dtype for p in seg.params):
+                torch.cat([p.detach().reshape(-1) for p in seg.params], out=seg.weight)   # (run,)
+                torch.cat([p.grad.reshape(-1) for p in seg.params], out=seg.grad)         # (run,)
+                state = {k: t[seg.start - offset:seg.start - offset + seg.weight.numel()] for k, t in flat.items()}
+                adamw16_fused(seg.weight, seg.grad, state, self.variant, coef, key, seg.start, grad_div=div)
+                torch._foreach_copy_([p.detach().view(-1) for p in seg.params], list(seg.weight.split(seg.sizes)))
+                continue
+            for p in seg.params if isinstance(seg, _Run) else (seg,):  # a large one, or a run missing a gradient
+                if p.grad is not None:
+                    state = self.state[p]
+                    adamw16_fused(p.view(-1), p.grad.contiguous().view(-1), state, self.variant, coef, key,
+                                  state["offset"], grad_div=div)
+
+
+class _Run:
+    """Consecutive small parameters of one group, with the buffers their batched update uses."""
+
+    def __init__(self, params, start):
+        self.params, self.start = params, start          # start: the first one's flat offset
+        self.sizes = [p.numel() for p in params]
+        self.weight = torch.empty(sum(self.sizes), dtype=torch.bfloat16, device=params[0].device)
+        self.grad = torch.empty_like(self.weight)
+
+
+def _segments(params, batch_below, state):
+    """Split a group's parameters (in flat order) into large ones and runs of small ones."""
+    segments, run = [], []
+    for p in list(params) + [None]:
+        if p is not None and p.numel() < batch_below:
+            run.append(p)
+            continue
+        if len(run) == 1:
+            segments.append(run[0])
+        elif run:
+            segments.append(_Run(run, state[run[0]]["offset"]))
+        run = []
+        if p is not None:
+            segments.append(p)
+    return segments
