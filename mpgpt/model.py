@@ -424,21 +424,25 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------------------ chapter 6
 
-    def use_triton(self, enable: bool = True) -> "GPT":
+    def use_triton(self, enable: bool = True, layers: str = "all") -> "GPT":
         """Swap the blocks' nn.Linear layers for Triton-kernel TritonLinear layers (or back).
 
         c_attn, attn.c_proj and mlp.c_proj become TritonLinear; mlp.c_fc becomes a TritonLinear
         with the GELU fused into its epilogue, and mlp.act becomes nn.Identity. lm_head stays a
-        plain nn.Linear (it is tied to wte). The new layers share the very same Parameter
-        objects, so an optimizer built before the swap keeps working and the state_dict keys
-        do not change. enable=False swaps back. Returns self.
+        plain nn.Linear (it is tied to wte). ``layers="gelu"`` swaps only mlp.c_fc, the one layer
+        whose epilogue saves a pass (the GELU), and leaves the other matmuls to cuBLAS. The new
+        layers share the very same Parameter objects, so an optimizer built before the swap keeps
+        working and the state_dict keys do not change. enable=False swaps back. Returns self.
         """
+        if layers not in ("all", "gelu"):
+            raise ValueError(f"layers must be 'all' or 'gelu' (only mlp.c_fc), got {layers!r}")
         from mpgpt.kernels import TritonLinear  # imported here: Triton is optional for chapters 1-5
 
         for block in self.transformer.h:
             attn, mlp = block.attn, block.mlp
             if enable:
-                for parent, name in ((attn, "c_attn"), (attn, "c_proj"), (mlp, "c_proj")):
+                plain = ((attn, "c_attn"), (attn, "c_proj"), (mlp, "c_proj")) if layers == "all" else ()
+                for parent, name in plain:
                     layer = getattr(parent, name)
                     if not isinstance(layer, TritonLinear):
                         setattr(parent, name, TritonLinear.from_linear(layer, activation=None))

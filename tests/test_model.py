@@ -330,6 +330,40 @@ def test_use_triton_swaps_layers_and_keeps_parameters():
     assert all(p is params[name] for name, p in model.named_parameters())
 
 
+def test_use_triton_gelu_swaps_only_the_mlp_input_and_keeps_the_gradients():
+    """layers="gelu": only mlp.c_fc becomes a TritonLinear (GELU in its epilogue). On a model held
+    in bf16 (the optim16 runs), its loss and gradients match the nn.Linear + nn.GELU model's to
+    bf16 accuracy: both round the same bf16 operands and accumulate in fp32, differing only in
+    where intermediate results are rounded to bf16 (2^-8 relative each); 3e-2 relative on the
+    loss-gradient norms catches a missing GELU, bias or gradient term (each an O(1) change)."""
+    kernels = pytest.importorskip("mpgpt.kernels", reason="mpgpt.kernels is not importable")
+    ok, why = kernels.kernels_available()
+    if not ok:
+        pytest.skip(why)
+    dev = "cpu" if kernels.interpreting() else "cuda"
+    torch.manual_seed(0)
+    ref = GPT(small_config()).to(dev).to(torch.bfloat16)
+    model = GPT(small_config()).to(dev).to(torch.bfloat16)
+    model.load_state_dict(ref.state_dict())
+    model.use_triton(layers="gelu")
+    for block in model.transformer.h:
+        assert isinstance(block.mlp.c_fc, kernels.TritonLinear) and isinstance(block.mlp.act, torch.nn.Identity)
+        assert type(block.attn.c_attn) is torch.nn.Linear and type(block.mlp.c_proj) is torch.nn.Linear
+    idx = torch.randint(0, 65, (2, 16), device=dev)
+    tgt = torch.randint(0, 65, (2, 16), device=dev)
+    losses = []
+    for m in (ref, model):
+        _, loss = m(idx, tgt)
+        loss.backward()
+        losses.append(loss.float().item())
+    assert abs(losses[0] - losses[1]) < 1e-2 * losses[0]
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        rel = (a.grad.float() - b.grad.float()).norm() / a.grad.float().norm()
+        assert rel < 3e-2, f"{name}: relative gradient error {rel:.2e}"
+    with pytest.raises(ValueError, match="'all' or 'gelu'"):
+        model.use_triton(layers="mlp")
+
+
 def test_activation_checkpointing_gives_the_same_gradients():
     # Recomputing a block in backward runs the same fp32 ops on the same inputs: gradients must
     # match the stored-activation run exactly up to kernel nondeterminism (none on CPU), so 1e-6.
