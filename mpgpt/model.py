@@ -190,8 +190,13 @@ class MLP(nn.Module):
         self.act = nn.GELU(approximate="tanh")  # GPT-2's GELU is the tanh approximation
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
+        # GPT.use_triton(layers="mlp") sets this to mpgpt.kernels.mlp.gelu_mlp: the same function
+        # with GELU fused into the matmuls on both sides of it.
+        self.fused = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.dropout(self.fused(x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias))
         x = self.act(self.c_fc(x))  # (B, T, 4C)
         return self.dropout(self.c_proj(x))  # (B, T, C)
 
@@ -430,16 +435,25 @@ class GPT(nn.Module):
         c_attn, attn.c_proj and mlp.c_proj become TritonLinear; mlp.c_fc becomes a TritonLinear
         with the GELU fused into its epilogue, and mlp.act becomes nn.Identity. lm_head stays a
         plain nn.Linear (it is tied to wte). ``layers="gelu"`` swaps only mlp.c_fc, the one layer
-        whose epilogue saves a pass (the GELU), and leaves the other matmuls to cuBLAS. The new
-        layers share the very same Parameter objects, so an optimizer built before the swap keeps
-        working and the state_dict keys do not change. enable=False swaps back. Returns self.
+        whose epilogue saves a pass (the GELU), and leaves the other matmuls to cuBLAS.
+        ``layers="mlp"`` keeps every nn.Linear and runs each MLP through
+        ``mpgpt.kernels.mlp.gelu_mlp``: GELU fused into the warp-specialised kernel's epilogue in
+        the forward pass (c_fc) and in the backward pass (c_proj's input gradient, with c_fc's bias
+        gradient), the other products on cuBLAS; on GPUs other than sm_90 it falls back to torch
+        ops. The new layers share the very same Parameter objects, so an optimizer built before
+        the swap keeps working and the state_dict keys do not change. enable=False swaps back
+        (every form). Returns self.
         """
-        if layers not in ("all", "gelu"):
-            raise ValueError(f"layers must be 'all' or 'gelu' (only mlp.c_fc), got {layers!r}")
+        if layers not in ("all", "gelu", "mlp"):
+            raise ValueError(f"layers must be 'all', 'gelu' (only mlp.c_fc) or 'mlp' (the fused MLP), got {layers!r}")
         from mpgpt.kernels import TritonLinear  # imported here: Triton is optional for chapters 1-5
+        from mpgpt.kernels.mlp import gelu_mlp
 
         for block in self.transformer.h:
             attn, mlp = block.attn, block.mlp
+            mlp.fused = gelu_mlp if enable and layers == "mlp" else None
+            if enable and layers == "mlp":
+                continue
             if enable:
                 plain = ((attn, "c_attn"), (attn, "c_proj"), (mlp, "c_proj")) if layers == "all" else ()
                 for parent, name in plain:

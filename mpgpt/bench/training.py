@@ -145,6 +145,16 @@ TRAIN_CONFIGS = {
     "bf16+compile+fused-ce+optim16+triton-gelu+step-graph+no-mix-order": _config(
         "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="fp32-master",
         triton="gelu"),
+    # GELU fused on both sides of each MLP, in the warp-specialised kernel's epilogues (kernels/mlp.py).
+    "bf16+compile+fused-ce+optim16+triton-mlp+step-graph+no-mix-order": _config(
+        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="fp32-master",
+        triton="mlp"),
+    "bf16+compile+fused-ce+optim16-mantissa+triton-mlp+step-graph+no-mix-order": _config(
+        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="bf16-mantissa",
+        triton="mlp"),
+    "bf16+compile-nobias+fused-ce+optim16+triton-mlp+step-graph+no-mix-order": _config(
+        "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
+        optim16="fp32-master", triton="mlp"),
     "bf16+compile-nobias+fused-ce+optim16+step-graph+no-mix-order": _config(
         "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
         optim16="fp32-master"),
@@ -190,7 +200,7 @@ def make_trainer(name, preset="gpt2", batch_size=12, block_size=None, device=Non
     overrides = {"block_size": block_size} if block_size else {}
     model = GPT(GPTConfig.preset(preset, bias=spec["bias"], attention=spec["attention"], **overrides))
     if spec["triton"]:
-        model.use_triton(True, layers="gelu" if spec["triton"] == "gelu" else "all")
+        model.use_triton(True, layers=spec["triton"] if isinstance(spec["triton"], str) else "all")
     if checkpointing or spec["checkpointing"]:
         model.set_activation_checkpointing(True)
     if spec["chunked_loss"]:

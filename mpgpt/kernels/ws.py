@@ -110,9 +110,43 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         return gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
 
     @gluon.jit
-    def _mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_smem, c2_smem, bias_ptr, M, N, K,
-                       HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                       num_warps: gl.constexpr):
+    def _load_tile(z_ptr, off_m, off_n, M, N, stride_zm, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr,
+                   layout: gl.constexpr):
+        """z[off_m : off_m + BLOCK_M, off_n : off_n + WIDTH] (row pitch stride_zm, unit column
+        stride) in the accumulator's register layout, 0 past M or N."""
+        rows = gl.expand_dims(off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout)), 1)  # (BLOCK_M, 1)
+        cols = gl.expand_dims(off_n + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout)), 0)    # (1, WIDTH)
+        return gl.load(z_ptr + rows * stride_zm + cols, mask=(rows < M) & (cols < N), other=0.0)
+
+    @gluon.jit
+    def _sigmoid(v):
+        """sigmoid(v) in fp32 without overflow and with one fast reciprocal (as epilogue.sigmoid_f32)."""
+        e = gl.exp(-gl.abs(v))
+        r = gl.fdiv(gl.full(v.shape, 1.0, gl.float32, v.type.layout), 1.0 + e, ieee_rounding=False)
+        return gl.where(v >= 0, r, e * r)
+
+    @gluon.jit
+    def _gelu(z):
+        """GELU's tanh approximation, z * sigmoid(2 sqrt(2/pi) (z + 0.044715 z^3)), in fp32."""
+        return z * _sigmoid(1.5957691216057308 * (z + 0.044715 * z * z * z))
+
+    @gluon.jit
+    def _gelu_grad(z):
+        """d gelu / dz for the tanh approximation, in fp32 (as gelu.py's backward kernel)."""
+        s = _sigmoid(1.5957691216057308 * (z + 0.044715 * z * z * z))
+        return s + z * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * z * z)  # 3 * 0.044715
+
+    @gluon.jit
+    def _store_colsum(colsum_ptr, row, off_n, N, y, WIDTH: gl.constexpr, layout: gl.constexpr):
+        """colsum[row, off_n : off_n + WIDTH] = the tile's column sums of y in fp32 (nothing past N)."""
+        cols = off_n + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+        gl.store(colsum_ptr + row * N + cols, gl.sum(y, axis=0), mask=cols < N)
+
+    @gluon.jit
+    def _mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem,
+                       bias_ptr, z_ptr, colsum_ptr, M, N, K, stride_zm,
+                       HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr, GROUP_M: gl.constexpr,
+                       STAGES: gl.constexpr, num_warps: gl.constexpr):
         """The default partition: the MMAs and the epilogue of every tile of this program."""
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
@@ -135,6 +169,9 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             if HAS_BIAS:  # loaded now, so that its latency hides behind the MMAs
                 bias = _load_bias(bias_ptr, off_n, N, BLOCK_N, layout)
                 bias2 = _load_bias(bias_ptr, off_n + BLOCK_N, N, EXTRA_N, layout2)
+            if EPILOGUE == 2:  # the saved pre-activation Z of this tile, loaded now for the same reason
+                zt = _load_tile(z_ptr, off_m, off_n, M, N, stride_zm, BLOCK_M, BLOCK_N, layout)
+                zt2 = _load_tile(z_ptr, off_m, off_n + BLOCK_N, M, N, stride_zm, BLOCK_M, EXTRA_N, layout2)
             for k in range(k_tiles):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
@@ -151,10 +188,26 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                 c += 1
             acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
-            # The previous tile's TMA stores must have read c_smem / c2_smem before we overwrite them.
             y, y2 = acc, acc2  # new names: a bias sum must not write the accumulators' registers
             if HAS_BIAS:
                 y, y2 = acc + bias, acc2 + bias2
+            if EPILOGUE == 1:
+                # Z = acc + bias goes out first, through the same staging buffers (the ring leaves
+                # no room for a second pair); GELU is computed while those stores are in flight.
+                tma.store_wait(pendings=0)
+                c_smem.store(y.to(z_desc.dtype))
+                c2_smem.store(y2.to(z2_desc.dtype))
+                fence_async_shared()
+                tma_store(z_desc, [off_m, off_n], c_smem)
+                tma_store(z2_desc, [off_m, off_n + BLOCK_N], c2_smem)
+                y, y2 = _gelu(y), _gelu(y2)
+            if EPILOGUE == 2:
+                # dZ = (dY W) * gelu'(Z), and this tile's column sums of dZ (the bias gradient's
+                # partial sums, one row per tile row; rows past M contribute 0: A read zeros there).
+                y, y2 = y * _gelu_grad(zt.to(gl.float32)), y2 * _gelu_grad(zt2.to(gl.float32))
+                _store_colsum(colsum_ptr, off_m // BLOCK_M, off_n, N, y, BLOCK_N, layout)
+                _store_colsum(colsum_ptr, off_m // BLOCK_M, off_n + BLOCK_N, N, y2, EXTRA_N, layout2)
+            # The previous tile's TMA stores must have read c_smem / c2_smem before we overwrite them.
             tma.store_wait(pendings=0)
             c_smem.store(y.to(c_desc.dtype))  # one rounding
             c2_smem.store(y2.to(c2_desc.dtype))
@@ -166,9 +219,16 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
     @gluon.jit
     def matmul_ws_kernel(
         a_desc, b_desc, b2_desc,            # TMA descriptors of A (M, K) and of w (N, K), two box widths
-        c_desc, c2_desc,                    # ... and of C (M, N), two box widths
-        bias_ptr, M, N, K,                  # bias (N,), read only if HAS_BIAS
-        HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+        c_desc, c2_desc,                    # ... of C (M, N), two box widths
+        z_desc, z2_desc,                    # ... of Z (M, N), written only if EPILOGUE == 1
+        bias_ptr,                           # bias (N,), read only if HAS_BIAS
+        z_ptr,                              # Z (M, N), row pitch stride_zm, read only if EPILOGUE == 2
+        colsum_ptr,                         # (cdiv(M, BLOCK_M), N) fp32, written only if EPILOGUE == 2
+        M, N, K, stride_zm,
+        HAS_BIAS: gl.constexpr,
+        EPILOGUE: gl.constexpr,             # 0: C = A w^T (+ bias); 1: also Z = that, and C = gelu(Z);
+                                            # 2: C = (A w^T) * gelu'(Z), with column sums of C
+        GROUP_M: gl.constexpr,
         STAGES: gl.constexpr,               # shared-memory stages in the load ring
         num_warps: gl.constexpr,            # of the MMA partition (the producer adds one warp)
     ):
@@ -188,8 +248,9 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             mbarrier.init(empty.index(i), count=1)
         fence_async_shared()  # the initialised barriers, visible to the TMA unit
         gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_smem, c2_smem, bias_ptr,
-                              M, N, K, HAS_BIAS, GROUP_M, STAGES, num_warps)),
+            (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, z_desc, z2_desc, c_smem,
+                              c2_smem, bias_ptr, z_ptr, colsum_ptr, M, N, K, stride_zm, HAS_BIAS, EPILOGUE,
+                              GROUP_M, STAGES, num_warps)),
             (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, GROUP_M, STAGES)),
         ], [1], [40])  # the producer: 1 warp, 40 registers a thread (the MMA warps get the rest)
 
@@ -269,30 +330,41 @@ class _HostDesc:
         self.base, self.shape, self.strides, self.padding = base, base.shape, base.stride(), "zero"
 
 
-def ws_tensors(a, b, c):
-    """The five descriptor operands of a launch, in kernel order: A, w twice, C twice (w = b.t())."""
+def ws_tensors(a, b, c, z=None):
+    """The seven descriptor operands of a launch, in kernel order: A, w twice, C twice, Z twice
+    (w = b.t(); Z is C where the epilogue writes no Z)."""
     w = b.t()
-    return a, w, w, c, c
+    z = c if z is None else z
+    return a, w, w, c, c, z, z
 
 
-def lean_descriptors(a, b, c):
-    """The five descriptor arguments for a repeated launch (see _HostDesc)."""
-    return tuple(_HostDesc(t) for t in ws_tensors(a, b, c))
+def lean_descriptors(a, b, c, z=None):
+    """The seven descriptor arguments for a repeated launch (see _HostDesc)."""
+    return tuple(_HostDesc(t) for t in ws_tensors(a, b, c, z))
 
 
-def ws_launch(a, b, c, bias, num_sms, num_programs=None):
-    """Launch c = a @ b (+ bias) on the warp-specialised kernel (the caller checked ws_eligible).
-    Returns (the jitted kernel, the compiled kernel, grid, args, kwargs): what
-    launch.compiled_launch needs to repeat it, with the five descriptors and the bias first."""
+def _layouts7(dtype):
+    """Box and layout of each of the seven descriptors: Z's are C's."""
+    layouts = _layouts(dtype)
+    return layouts + layouts[3:5]
+
+
+def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, colsum=None):
+    """Launch c = a @ b (+ bias) on the warp-specialised kernel (the caller checked ws_eligible),
+    or with epilogue 1 (z = a @ b + bias, c = gelu(z)) or 2 (c = (a @ b) * gelu'(z), colsum its
+    per-tile column sums). Returns (the jitted kernel, the compiled kernel, grid, args, kwargs):
+    what launch.compiled_launch needs to repeat it, with the seven descriptors and the three
+    pointers first."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     M, K = a.shape
     N = b.shape[1]
     descs = tuple(TensorDescriptor.from_tensor(t, box, layout)
-                  for t, (box, layout) in zip(ws_tensors(a, b, c), _layouts(a.dtype)))
+                  for t, (box, layout) in zip(ws_tensors(a, b, c, z if epilogue == 1 else None), _layouts7(a.dtype)))
     tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N + EXTRA_N)
     grid = (min(num_programs or num_sms, tiles),)
-    args = (*descs, bias if bias is not None else c, M, N, K)
-    kwargs = dict(HAS_BIAS=bias is not None, GROUP_M=GROUP_M, STAGES=STAGES, num_warps=NUM_WARPS)
+    args = (*descs, bias if bias is not None else c, z if epilogue == 2 else c, colsum if epilogue == 2 else c,
+            M, N, K, z.stride(0) if epilogue == 2 else 0)
+    kwargs = dict(HAS_BIAS=bias is not None, EPILOGUE=epilogue, GROUP_M=GROUP_M, STAGES=STAGES, num_warps=NUM_WARPS)
     compiled = matmul_ws_kernel[grid](*args, **kwargs)
     return matmul_ws_kernel, compiled, grid, args, kwargs
 
@@ -302,10 +374,80 @@ def launch(a, b, c, bias=None):
     a replay function `(a, b, c, bias, z)` for new tensors of the same signature (launch.py),
     which passes `lean_descriptors` instead of building TensorDescriptors again, or None."""
     jit_fn, compiled, grid, args, kwargs = ws_launch(a, b, c, bias, env.num_sms(a.device))
-    remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=6)
+    remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=10)
     if remembered is None:
         return None
 
-    def replay(a, b, c, bias, z):  # five host-built descriptors, then the bias
-        remembered(a.device.index, *lean_descriptors(a, b, c), bias if bias is not None else c)
+    def replay(a, b, c, bias, z):  # seven host-built descriptors, then the three pointers
+        remembered(a.device.index, *lean_descriptors(a, b, c), bias if bias is not None else c, c, c)
     return replay
+
+
+# ----------------------------------------------------------------------------------------------
+# GELU on both sides of the MLP, fused into this kernel's epilogue (used by kernels/mlp.py)
+# ----------------------------------------------------------------------------------------------
+_GELU_LAUNCHES: dict = {}  # call signature -> CompiledLaunch (the lean path, as launch() has)
+
+
+def gelu_eligible(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether gelu_forward(a, w, ...) and dgelu(a, w, ...) can run here: this kernel on this
+    GPU (sm_90, compiled), bf16/fp16 operands of one dtype, a (M, K) and w (N, K) addressable
+    by TMA, no dimension below 16, and M * N below 2^31 (the epilogue's pointer offsets are
+    32-bit)."""
+    if WS_IMPORT_ERROR is not None or env.interpreting() or not a.is_cuda or env.capability(a.device) != (9, 0):
+        return False
+    if a.dtype not in (torch.bfloat16, torch.float16) or w.dtype != a.dtype or a.dim() != 2 or w.dim() != 2:
+        return False
+    (M, K), N = a.shape, w.shape[0]
+    return (w.shape[1] == K and min(M, N, K) >= 16 and M * N < 2**31 and _aligned(a) and _aligned(w)
+            and N * a.element_size() % 16 == 0)
+
+
+def _run(epilogue, a, w, c, bias, z, colsum):
+    """One launch of epilogue 1 or 2, through the lean path after the first call of a signature."""
+    key = (epilogue, a.device.index, a.dtype, a.shape, a.stride(), w.shape, w.stride(), a.data_ptr() % 16,
+           w.data_ptr() % 16, None if bias is None else (bias.dtype, bias.stride()),
+           z.stride(), z.data_ptr() % 16, c.data_ptr() % 16)
+    remembered = _GELU_LAUNCHES.get(key)
+    if remembered is not None:
+        remembered(a.device.index, *lean_descriptors(a, w.t(), c, z if epilogue == 1 else None),
+                   bias if bias is not None else c, z if epilogue == 2 else c, colsum if epilogue == 2 else c)
+        return
+    jit_fn, compiled, grid, args, kwargs = ws_launch(a, w.t(), c, bias, env.num_sms(a.device), epilogue=epilogue,
+                                                     z=z, colsum=colsum)
+    if _lean_enabled():
+        remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=10)
+        if remembered is not None:
+            _GELU_LAUNCHES[key] = remembered
+
+
+def _lean_enabled() -> bool:
+    from .launch import lean_launch_enabled
+    return lean_launch_enabled()
+
+
+def gelu_forward(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None):
+    """(y, z) with z = a @ w.T + bias and y = gelu(z) (tanh approximation), both in a's dtype,
+    from one launch: the epilogue writes z (GELU's backward needs it) and then y, computed from
+    z in fp32 before rounding. a: (M, K), w: (N, K) -> y, z: (M, N). The caller checked
+    gelu_eligible."""
+    M, N = a.shape[0], w.shape[0]
+    y = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    z = torch.empty_like(y)
+    _run(1, a, w, y, bias, z, None)
+    return y, z
+
+
+def dgelu(g: torch.Tensor, w: torch.Tensor, z: torch.Tensor):
+    """(dz, colsum) with dz = (g @ w.T) * gelu'(z) in g's dtype, and colsum (cdiv(M, 128), N) fp32
+    the column sums of dz over each 128-row tile, before rounding (colsum.sum(0) is the bias
+    gradient). g: (M, K), w: (N, K), z: (M, N) row-major in g's dtype. The caller checked
+    gelu_eligible(g, w)."""
+    M, N = g.shape[0], w.shape[0]
+    if z.shape != (M, N) or z.dtype != g.dtype or z.stride(1) != 1 or not _aligned(z):
+        raise ValueError(f"z must be a ({M}, {N}) {g.dtype} tensor with unit column stride and 16-byte rows, "
+                         f"got {tuple(z.shape)} {z.dtype} strides {z.stride()}")
+    dz = torch.empty((M, N), dtype=g.dtype, device=g.device)
+    colsum = torch.empty((triton.cdiv(M, BLOCK_M), N), dtype=torch.float32, device=g.device)
+    _run(2, g, w, dz, None, z, colsum)
+    return dz, colsum

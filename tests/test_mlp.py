@@ -1,0 +1,249 @@
+"""Tests for mpgpt/kernels/mlp.py: the MLP with GELU fused into the matmuls on both sides of it.
+
+The reference is the unfused MLP, gelu(x W_fc^T + b_fc) W_proj^T + b_proj, in float64 on the same
+(already rounded) bf16 inputs and parameters, with its gradients from float64 autograd. What the
+fused path may differ by: its roundings of Z, gelu(Z), dZ and the outputs to bf16, each a relative
+error of at most 2^-8 per element (8 significant bits), a few 1e-3 as a norm; the products
+accumulate in fp32. So every output and gradient must be within 2e-2 (norm-relative) of the
+float64 reference: loose enough for any correct order of roundings, far below what a missing
+GELU derivative, a wrong transpose or a bias-gradient term summed over the wrong axis gives (~1).
+
+On a CPU the custom operators take their torch branch (the autograd bookkeeping, dtypes and the
+model wiring are what is tested); on an H200 (sm_90) the same tests run the Gluon kernel, and
+the tests marked sm80 check its two epilogues on their own, at shapes with edges.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mpgpt.kernels import mlp, ws
+from mpgpt.kernels.linear import gelu_tanh_grad
+from mpgpt.model import GPT, GPTConfig
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 2e-2
+
+
+def rel_err(out, ref):
+    out = out.double()
+    if not torch.isfinite(out).all():
+        return math.inf
+    return (out - ref).norm().item() / max(ref.norm().item(), 1e-30)
+
+
+def params(C, dtype, bias=True, device=DEVICE, scale=1.0):
+    """Fresh random MLP parameters (W_fc (4C, C), b_fc, W_proj (C, 4C), b_proj), requiring grad."""
+    shapes = [(4 * C, C), (4 * C,), (C, 4 * C), (C,)]
+    out = [(torch.randn(s, device=device) * scale / math.sqrt(s[-1] if len(s) == 2 else 4)).to(dtype) for s in shapes]
+    if not bias:
+        out[1] = out[3] = None
+    return [p.requires_grad_() if p is not None else None for p in out]
+
+
+def float64_reference(x, w_fc, b_fc, w_proj, b_proj, grad_out):
+    """Output and gradients (x, w_fc, b_fc, w_proj, b_proj) of the unfused MLP in float64."""
+    leaves = [t.detach().double().requires_grad_() if t is not None else None for t in (x, w_fc, b_fc, w_proj, b_proj)]
+    out = F.linear(F.gelu(F.linear(leaves[0], leaves[1], leaves[2]), approximate="tanh"), leaves[3], leaves[4])
+    out.backward(grad_out.double())
+    return out.detach(), [t.grad if t is not None else None for t in leaves]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_fused_mlp_in_bf16_matches_float64(bias):
+    torch.manual_seed(0)
+    C, M = 64, 200 if DEVICE == "cpu" else 1000
+    w_fc, b_fc, w_proj, b_proj = params(C, torch.bfloat16, bias)
+    x = torch.randn(2, M // 2, C, device=DEVICE).to(torch.bfloat16).requires_grad_()
+    out = mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj)
+    assert out.shape == (2, M // 2, C) and out.dtype == torch.bfloat16
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    ref_out, ref_grads = float64_reference(x, w_fc, b_fc, w_proj, b_proj, grad_out)
+    assert rel_err(out, ref_out) < TOL
+    for name, t, ref in zip(("x", "w_fc", "b_fc", "w_proj", "b_proj"), (x, w_fc, b_fc, w_proj, b_proj), ref_grads):
+        if t is None:
+            continue
+        assert t.grad is not None and t.grad.dtype == t.dtype, name
+        assert rel_err(t.grad, ref) < TOL, f"{name}: {rel_err(t.grad, ref):.2e}"
+
+
+def test_under_autocast_fp32_parameters_get_fp32_gradients():
+    """An fp32 model under bf16 autocast (the course's default GPU setting): the products run in
+    bf16, the gradients come back in the parameters' and the input's own dtype, fp32."""
+    torch.manual_seed(1)
+    C = 32
+    w_fc, b_fc, w_proj, b_proj = params(C, torch.float32)
+    x = torch.randn(96, C, device=DEVICE, requires_grad=True)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj)
+    assert out.dtype == torch.bfloat16
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    # The reference sees the bf16-rounded operands the fused path multiplies.
+    lp = [t.detach().to(torch.bfloat16) for t in (x, w_fc, b_fc, w_proj, b_proj)]
+    _, ref_grads = float64_reference(*lp, grad_out)
+    for name, t, ref in zip(("x", "w_fc", "b_fc", "w_proj", "b_proj"), (x, w_fc, b_fc, w_proj, b_proj), ref_grads):
+        assert t.grad.dtype == torch.float32, name
+        assert rel_err(t.grad, ref) < TOL, f"{name}: {rel_err(t.grad, ref):.2e}"
+
+
+def test_an_fp32_model_outside_autocast_runs_the_unfused_ops_exactly():
+    torch.manual_seed(2)
+    w_fc, b_fc, w_proj, b_proj = params(16, torch.float32)
+    x = torch.randn(10, 16, device=DEVICE)
+    plain = F.linear(F.gelu(F.linear(x, w_fc, b_fc), approximate="tanh"), w_proj, b_proj)
+    assert torch.equal(mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj), plain)
+
+
+def test_the_backward_operator_returns_the_gelu_gradient_and_its_row_sums():
+    """dgelu_linear (either branch): dz = (g @ w.T) * gelu'(z), db = dz summed over rows in fp32.
+    A db summed over the wrong axis has the wrong shape; one that misses rows is off by O(1)."""
+    torch.manual_seed(3)
+    M, K, N = 130, 48, 80
+    g, w, z = (torch.randn(*s, device=DEVICE).to(torch.bfloat16) for s in ((M, K), (N, K), (M, N)))
+    dz, db = mlp.dgelu_linear_impl(g, w, z)
+    ref = (g.double() @ w.double().t()) * gelu_tanh_grad(z).double()
+    assert dz.dtype == torch.bfloat16 and db.dtype == torch.float32 and db.shape == (N,)
+    assert rel_err(dz, ref) < 1e-2
+    # db sums dz before dz's rounding; the torch branch has rounded g @ w.T to bf16 once (the
+    # kernel keeps it in fp32, checked tighter on the GPU below), so bf16's tolerance here.
+    assert rel_err(db, ref.sum(0)) < 1e-2
+    assert rel_err(db, dz.double().sum(0)) < 1e-2
+
+
+def small_model(dtype):
+    cfg = GPTConfig.preset("tiny", vocab_size=65, n_layer=2, n_embd=32, n_head=2, block_size=16)
+    return GPT(cfg).to(DEVICE).to(dtype)
+
+
+def test_use_triton_mlp_keeps_the_parameters_and_the_gradients():
+    """layers="mlp": every nn.Linear stays (same Parameter objects, same state_dict keys), each
+    MLP runs through gelu_mlp, and a bf16 model's loss and gradients match the unfused model's
+    to bf16 accuracy (1e-2 on the loss, 3e-2 on each gradient, as test_model's layers="gelu"
+    test argues); enable=False restores the unfused MLP."""
+    torch.manual_seed(4)
+    ref = small_model(torch.bfloat16)
+    model = small_model(torch.bfloat16)
+    model.load_state_dict(ref.state_dict())
+    keys, ids = list(model.state_dict()), [id(p) for p in model.parameters()]
+    model.use_triton(layers="mlp")
+    assert all(block.mlp.fused is mlp.gelu_mlp for block in model.transformer.h)
+    assert all(type(block.mlp.c_fc) is torch.nn.Linear for block in model.transformer.h)
+    assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == ids
+    idx = torch.randint(0, 65, (2, 16), device=DEVICE)
+    tgt = torch.randint(0, 65, (2, 16), device=DEVICE)
+    losses = []
+    for m in (ref, model):
+        _, loss = m(idx, tgt)
+        loss.backward()
+        losses.append(loss.float().item())
+    assert abs(losses[0] - losses[1]) < 1e-2 * losses[0]
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        rel = (a.grad.float() - b.grad.float()).norm() / a.grad.float().norm()
+        assert rel < 3e-2, f"{name}: relative gradient error {rel:.2e}"
+    model.use_triton(enable=False)
+    assert all(block.mlp.fused is None for block in model.transformer.h)
+
+
+def test_the_fused_mlp_compiles_into_one_graph():
+    """torch.compile sees the two fused products as single custom-operator nodes: no graph break."""
+    torch.manual_seed(5)
+    w_fc, b_fc, w_proj, b_proj = params(16, torch.bfloat16)
+    x = torch.randn(24, 16, device=DEVICE).to(torch.bfloat16).requires_grad_()
+
+    def step(x, w_fc, b_fc, w_proj, b_proj):
+        return mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj).float().square().sum()
+
+    explanation = torch._dynamo.explain(step)(x, w_fc, b_fc, w_proj, b_proj)
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    loss = compiled(x, w_fc, b_fc, w_proj, b_proj)
+    loss.backward()
+    grads = [t.grad.clone() for t in (x, w_fc, b_fc, w_proj, b_proj)]
+    for t in (x, w_fc, b_fc, w_proj, b_proj):
+        t.grad = None
+    step(x, w_fc, b_fc, w_proj, b_proj).backward()
+    for g, t in zip(grads, (x, w_fc, b_fc, w_proj, b_proj)):
+        assert torch.equal(g, t.grad)  # the same operators on the same inputs
+
+
+def test_layers_must_be_named():
+    with pytest.raises(ValueError, match="'all', 'gelu' .* or 'mlp'"):
+        small_model(torch.float32).use_triton(layers="attention")
+
+
+# ----------------------------------------------------------------------------------------------
+# The two epilogues of the Gluon kernel, on an H200
+# ----------------------------------------------------------------------------------------------
+def _ws_or_skip():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialised kernel's GELU epilogues need sm_90")
+    if ws.WS_IMPORT_ERROR:
+        pytest.skip(ws.WS_IMPORT_ERROR)
+
+
+# M, K, N with edges: N not a multiple of the 192-wide tile (200: the 64-wide half of the last
+# tile lies outside), M not a multiple of 128, and GPT-2's c_fc / c_proj-gradient shape.
+SHAPES = [(1000, 776, 200), (77, 3072, 392), (300, 64, 192), (12288, 768, 3072)]
+
+
+@pytest.mark.sm80
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_gpu_gelu_epilogue_writes_z_and_gelu_z(use_bias):
+    _ws_or_skip()
+    for M, K, N in SHAPES:
+        a, w = torch.randn(M, K, device="cuda").bfloat16(), (torch.randn(N, K, device="cuda") / math.sqrt(K)).bfloat16()
+        bias = torch.randn(N, device="cuda").bfloat16() if use_bias else None
+        assert ws.gelu_eligible(a, w)
+        y, z = ws.gelu_forward(a, w, bias)
+        torch.cuda.synchronize()
+        ref_z = a.double() @ w.double().t() + (bias.double() if use_bias else 0)
+        assert rel_err(z, ref_z) < 1e-2, (M, K, N)
+        assert rel_err(y, F.gelu(ref_z, approximate="tanh")) < 1e-2, (M, K, N)
+
+
+@pytest.mark.sm80
+def test_gpu_dgelu_epilogue_multiplies_by_gelu_grad_and_sums_the_columns():
+    _ws_or_skip()
+    for M, K, N in SHAPES:
+        g, w = torch.randn(M, K, device="cuda").bfloat16(), (torch.randn(N, K, device="cuda") / math.sqrt(K)).bfloat16()
+        z = (2 * torch.randn(M, N, device="cuda")).bfloat16()
+        dz, colsum = ws.dgelu(g, w, z)
+        torch.cuda.synchronize()
+        ref = (g.double() @ w.double().t()) * gelu_tanh_grad(z).double()
+        assert colsum.shape == (-(-M // ws.BLOCK_M), N)
+        assert rel_err(dz, ref) < 1e-2, (M, K, N)
+        assert rel_err(colsum.sum(0), ref.sum(0)) < 1e-4, (M, K, N)  # fp32 sums of unrounded dz
+
+
+@pytest.mark.sm80
+def test_gpu_fused_mlp_replays_in_a_cuda_graph():
+    """The lean launch path passes new descriptors each call; recorded in a CUDA graph, a replay on
+    new inputs (copied into the recorded buffers) must give what an eager call gives."""
+    _ws_or_skip()
+    torch.manual_seed(6)
+    w_fc, b_fc, w_proj, b_proj = params(768, torch.bfloat16, device="cuda")
+    x = torch.randn(2048, 768, device="cuda").bfloat16().requires_grad_()
+
+    def step():
+        for t in (x, w_fc, b_fc, w_proj, b_proj):
+            t.grad = None
+        mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj).float().square().mean().backward()
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm up: compile and remember the launches
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    recorded = [t.grad.clone() for t in (x, w_fc, b_fc, w_proj, b_proj)]
+    step()
+    for got, t in zip(recorded, (x, w_fc, b_fc, w_proj, b_proj)):
+        assert torch.equal(got, t.grad)
