@@ -119,22 +119,28 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         return gl.load(z_ptr + rows * stride_zm + cols, mask=(rows < M) & (cols < N), other=0.0)
 
     @gluon.jit
-    def _sigmoid(v):
-        """sigmoid(v) in fp32 without overflow and with one fast reciprocal (as epilogue.sigmoid_f32)."""
-        e = gl.exp(-gl.abs(v))
-        r = gl.fdiv(gl.full(v.shape, 1.0, gl.float32, v.type.layout), 1.0 + e, ieee_rounding=False)
-        return gl.where(v >= 0, r, e * r)
+    def _tanh(x):
+        """tanh(x) in one instruction, PTX tanh.approx.f32 (sm_75 and later; at most 2^-11 relative
+        error by the PTX ISA manual): the epilogue runs while the tensor cores wait, and the
+        special-function unit that evaluates exp, reciprocals and tanh does 16 of them per clock
+        and multiprocessor against 128 fused multiply-adds, so one such call instead of two
+        (exp and a reciprocal, as in epilogue.sigmoid_f32) is most of what GELU costs here."""
+        return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                         pack=1)
 
     @gluon.jit
     def _gelu(z):
-        """GELU's tanh approximation, z * sigmoid(2 sqrt(2/pi) (z + 0.044715 z^3)), in fp32."""
-        return z * _sigmoid(1.5957691216057308 * (z + 0.044715 * z * z * z))
+        """GELU's tanh approximation, 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))), in fp32."""
+        t = _tanh(0.7978845608028654 * z * (1.0 + 0.044715 * z * z))
+        hz = 0.5 * z
+        return hz + hz * t
 
     @gluon.jit
     def _gelu_grad(z):
-        """d gelu / dz for the tanh approximation, in fp32 (as gelu.py's backward kernel)."""
-        s = _sigmoid(1.5957691216057308 * (z + 0.044715 * z * z * z))
-        return s + z * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * z * z)  # 3 * 0.044715
+        """d gelu / dz = 0.5 (1 + t) + 0.5 z (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 z^2), in fp32."""
+        z2 = z * z
+        t = _tanh(0.7978845608028654 * z * (1.0 + 0.044715 * z2))
+        return 0.5 + 0.5 * t + (0.5 * z) * (1.0 - t * t) * (0.7978845608028654 * (1.0 + 0.134145 * z2))
 
     @gluon.jit
     def _store_colsum(colsum_ptr, row, off_n, N, y, WIDTH: gl.constexpr, layout: gl.constexpr):
@@ -169,9 +175,6 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             if HAS_BIAS:  # loaded now, so that its latency hides behind the MMAs
                 bias = _load_bias(bias_ptr, off_n, N, BLOCK_N, layout)
                 bias2 = _load_bias(bias_ptr, off_n + BLOCK_N, N, EXTRA_N, layout2)
-            if EPILOGUE == 2:  # the saved pre-activation Z of this tile, loaded now for the same reason
-                zt = _load_tile(z_ptr, off_m, off_n, M, N, stride_zm, BLOCK_M, BLOCK_N, layout)
-                zt2 = _load_tile(z_ptr, off_m, off_n + BLOCK_N, M, N, stride_zm, BLOCK_M, EXTRA_N, layout2)
             for k in range(k_tiles):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
@@ -204,6 +207,10 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             if EPILOGUE == 2:
                 # dZ = (dY W) * gelu'(Z), and this tile's column sums of dZ (the bias gradient's
                 # partial sums, one row per tile row; rows past M contribute 0: A read zeros there).
+                # Z is loaded only now: held in registers across the MMA loop, it made the
+                # partition spill (its 8 warps share the kernel's 168 registers a thread).
+                zt = _load_tile(z_ptr, off_m, off_n, M, N, stride_zm, BLOCK_M, BLOCK_N, layout)
+                zt2 = _load_tile(z_ptr, off_m, off_n + BLOCK_N, M, N, stride_zm, BLOCK_M, EXTRA_N, layout2)
                 y, y2 = y * _gelu_grad(zt.to(gl.float32)), y2 * _gelu_grad(zt2.to(gl.float32))
                 _store_colsum(colsum_ptr, off_m // BLOCK_M, off_n, N, y, BLOCK_N, layout)
                 _store_colsum(colsum_ptr, off_m // BLOCK_M, off_n + BLOCK_N, N, y2, EXTRA_N, layout2)
