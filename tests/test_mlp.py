@@ -98,13 +98,13 @@ def test_an_fp32_model_outside_autocast_runs_the_unfused_ops_exactly():
 
 
 def test_the_backward_operator_returns_the_gelu_gradient_and_its_row_sums():
-    """dgelu_linear (either branch): dz = (g @ w.T) * gelu'(z), db = dz summed over rows in fp32.
+    """dgelu_linear (either branch): dz = (g @ w) * gelu'(z), db = dz summed over rows in fp32.
     A db summed over the wrong axis has the wrong shape; one that misses rows is off by O(1)."""
     torch.manual_seed(3)
     M, K, N = 130, 48, 80
-    g, w, z = (torch.randn(*s, device=DEVICE).to(torch.bfloat16) for s in ((M, K), (N, K), (M, N)))
+    g, w, z = (torch.randn(*s, device=DEVICE).to(torch.bfloat16) for s in ((M, K), (K, N), (M, N)))
     dz, db = mlp.dgelu_linear_impl(g, w, z)
-    ref = (g.double() @ w.double().t()) * gelu_tanh_grad(z).double()
+    ref = (g.double() @ w.double()) * gelu_tanh_grad(z).double()
     assert dz.dtype == torch.bfloat16 and db.dtype == torch.float32 and db.shape == (N,)
     assert rel_err(dz, ref) < 1e-2
     # db sums dz before dz's rounding; the torch branch has rounded g @ w.T to bf16 once (the
@@ -196,8 +196,8 @@ def test_gpu_gelu_epilogue_writes_z_and_gelu_z(use_bias):
     for M, K, N in SHAPES:
         a, w = torch.randn(M, K, device="cuda").bfloat16(), (torch.randn(N, K, device="cuda") / math.sqrt(K)).bfloat16()
         bias = torch.randn(N, device="cuda").bfloat16() if use_bias else None
-        assert ws.gelu_eligible(a, w)
-        y, z = ws.gelu_forward(a, w, bias)
+        assert ws.gelu_eligible(a, w.t())
+        y, z = ws.gelu_forward(a, w.t(), bias)
         torch.cuda.synchronize()
         ref_z = a.double() @ w.double().t() + (bias.double() if use_bias else 0)
         assert rel_err(z, ref_z) < 1e-2, (M, K, N)
@@ -210,12 +210,15 @@ def test_gpu_dgelu_epilogue_multiplies_by_gelu_grad_and_sums_the_columns():
     for M, K, N in SHAPES:
         g, w = torch.randn(M, K, device="cuda").bfloat16(), (torch.randn(N, K, device="cuda") / math.sqrt(K)).bfloat16()
         z = (2 * torch.randn(M, N, device="cuda")).bfloat16()
-        dz, colsum = ws.dgelu(g, w, z)
-        torch.cuda.synchronize()
         ref = (g.double() @ w.double().t()) * gelu_tanh_grad(z).double()
-        assert colsum.shape == (-(-M // ws.BLOCK_M), N)
-        assert rel_err(dz, ref) < 1e-2, (M, K, N)
-        assert rel_err(colsum.sum(0), ref.sum(0)) < 1e-4, (M, K, N)  # fp32 sums of unrounded dz
+        # b = w.t() (read as the row-major w), and b row-major itself (K, N), as c_proj's weight
+        for b in (w.t(), w.t().contiguous()):
+            assert ws.gelu_eligible(g, b)
+            dz, colsum = ws.dgelu(g, b, z)
+            torch.cuda.synchronize()
+            assert colsum.shape == (-(-M // ws.BLOCK_M), N)
+            assert rel_err(dz, ref) < 1e-2, (M, K, N, b.stride())
+            assert rel_err(colsum.sum(0), ref.sum(0)) < 1e-4, (M, K, N, b.stride())  # fp32 sums of unrounded dz
 
 
 @pytest.mark.sm80

@@ -42,19 +42,19 @@ from .linear import _compute_dtype, _op, gelu_tanh_grad
 # ----------------------------------------------------------------------------------------------
 def gelu_linear_impl(x2: Tensor, w: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """(gelu(z), z) with z = x2 @ w.T + bias. x2: (M, K), w: (N, K) -> two (M, N) in x2's dtype."""
-    if ws.gelu_eligible(x2, w) and (bias is None or bias.stride(0) == 1):
-        return ws.gelu_forward(x2, w, bias)
+    if ws.gelu_eligible(x2, w.t()) and (bias is None or bias.stride(0) == 1):
+        return ws.gelu_forward(x2, w.t(), bias)
     z = F.linear(x2, w, bias)
     return F.gelu(z, approximate="tanh"), z
 
 
 def dgelu_linear_impl(g: Tensor, w: Tensor, z: Tensor) -> tuple[Tensor, Tensor]:
-    """(dz, db) with dz = (g @ w.T) * gelu'(z) in g's dtype and db = dz summed over rows in fp32
-    (before dz's rounding). g: (M, K), w: (N, K), z: (M, N) -> dz (M, N), db (N,)."""
+    """(dz, db) with dz = (g @ w) * gelu'(z) in g's dtype and db = dz summed over rows in fp32
+    (before dz's rounding). g: (M, K), w: (K, N) (c_proj's weight), z: (M, N) -> dz (M, N), db (N,)."""
     if ws.gelu_eligible(g, w) and z.dtype == g.dtype and z.is_contiguous():
         dz, colsum = ws.dgelu(g, w, z)
         return dz, colsum.sum(0)
-    dz32 = (g @ w.t()).float() * gelu_tanh_grad(z)
+    dz32 = (g @ w).float() * gelu_tanh_grad(z)
     return dz32.to(g.dtype), dz32.sum(0)
 
 
@@ -70,7 +70,7 @@ def _(x2, w, bias):
 
 @dgelu_linear.register_fake
 def _(g, w, z):
-    return g.new_empty((g.shape[0], w.shape[0])), g.new_empty((w.shape[0],), dtype=torch.float32)
+    return g.new_empty((g.shape[0], w.shape[1])), g.new_empty((w.shape[1],), dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -101,9 +101,8 @@ class _GeluMLPFunction(torch.autograd.Function):
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(w_proj_lp.dtype).contiguous()  # dOut: (M, C)
         d_w_proj = (g.t() @ y).to(w_proj_dt)                                          # (C, 4C)
         d_b_proj = g.sum(0, dtype=torch.float32).to(b_proj_dt) if b_proj_dt is not None else None
-        # dZ = (dOut @ W_proj) * gelu'(Z): the kernel multiplies by w.T, so it gets W_proj^T as a
-        # row-major (4C, C) weight (a 4C x C copy, small beside the (M, 4C) tensors).
-        dz, d_b_fc = _op(dgelu_linear, dgelu_linear_impl)(g, w_proj_lp.t().contiguous(), z)  # (M, 4C), (4C,)
+        # dZ = (dOut @ W_proj) * gelu'(Z); the kernel reads W_proj (C, 4C) as it is, row-major.
+        dz, d_b_fc = _op(dgelu_linear, dgelu_linear_impl)(g, w_proj_lp, z)  # (M, 4C), (4C,)
         d_w_fc = (dz.t() @ x2).to(w_fc_dt)                                                    # (4C, C)
         dx = (dz @ w_fc_lp).to(x_dtype).view(x_shape)                                         # (M, C)
         return dx, d_w_fc, d_b_fc.to(b_fc_dt) if b_fc_dt is not None else None, d_w_proj, d_b_proj, None
