@@ -122,14 +122,12 @@ def compile_gluon(kernel: str, epilogue: int = 0) -> dict:
                                                num_warps=4, grid=(132,))
     else:
         a = torch.empty(n, n, dtype=torch.bfloat16)   # b = w.t() for a row-major weight w, as nn.Linear has
-        b_kn = epilogue == 2  # GELU's backward reads c_proj's weight as B (K, N) itself
         descs = [TensorDescriptor.from_tensor(t, box, layout)
-                 for t, (box, layout) in zip(ws.ws_tensors(a, a if b_kn else a.t(), a, b_kn=b_kn),
-                                             ws._layouts7(torch.bfloat16, b_kn))]
+                 for t, (box, layout) in zip(ws.ws_tensors(a, a.t(), a), ws._layouts7(torch.bfloat16))]
         colsum = torch.empty(n // ws.BLOCK_M, n, dtype=torch.float32)
         compiled = ws.matmul_ws_kernel.warmup(*descs, a[0], a, colsum, n, n, n, n, HAS_BIAS=epilogue != 2,
-                                              EPILOGUE=epilogue, B_KN=b_kn, VARIANT=0, GROUP_M=ws.GROUP_M,
-                                              STAGES=ws.STAGES, num_warps=ws.NUM_WARPS, grid=(132,))
+                                              EPILOGUE=epilogue, GROUP_M=ws.GROUP_M, STAGES=ws.STAGES,
+                                              num_warps=ws.NUM_WARPS, grid=(132,))
     ptx = compiled.asm["ptx"]
     return {"shared": compiled.metadata.shared, **instructions(ptx),
             "wgmma_types": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.(\w+)\.", ptx)))}

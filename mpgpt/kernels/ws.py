@@ -77,12 +77,12 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
 
     @gluon.jit
     def _producer(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
-                  B_KN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr):
         """One warp: the TMA loads of every (tile, K-step) of this program, at most STAGES ahead."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[1 if B_KN else 0]
-        TILE_N: gl.constexpr = BLOCK_N + b2_desc.block_type.shape[1 if B_KN else 0]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        TILE_N: gl.constexpr = BLOCK_N + b2_desc.block_type.shape[0]
         nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes + b2_desc.block_type.nbytes
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, TILE_N)
@@ -98,12 +98,9 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                 mbarrier.wait(empty.index(s), ((p // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), nbytes)
                 tma_load(a_desc, [off_m, k * BLOCK_K], ready.index(s), a_bufs.index(s))
-                if B_KN:  # B itself (K, N) row-major: (BLOCK_K, width) boxes
-                    tma_load(b_desc, [k * BLOCK_K, off_n], ready.index(s), b_bufs.index(s))
-                    tma_load(b2_desc, [k * BLOCK_K, off_n + BLOCK_N], ready.index(s), b2_bufs.index(s))
-                else:     # w = B^T (N, K) row-major: (width, BLOCK_K) boxes
-                    tma_load(b_desc, [off_n, k * BLOCK_K], ready.index(s), b_bufs.index(s))
-                    tma_load(b2_desc, [off_n + BLOCK_N, k * BLOCK_K], ready.index(s), b2_bufs.index(s))
+                tma_load(b_desc, [off_n, k * BLOCK_K], ready.index(s), b_bufs.index(s))
+                tma_load(b2_desc, [off_n + BLOCK_N, k * BLOCK_K], ready.index(s),
+                                                b2_bufs.index(s))
                 p += 1
 
     @gluon.jit
@@ -113,13 +110,13 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         return gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
 
     @gluon.jit
-    def _load_tile(z_ptr, off_m, off_n, M, N, stride_zm, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr,
+    def _load_tile(d_ptr, off_m, off_n, M, N, stride_dm, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr,
                    layout: gl.constexpr):
-        """z[off_m : off_m + BLOCK_M, off_n : off_n + WIDTH] (row pitch stride_zm, unit column
-        stride) in the accumulator's register layout, 0 past M or N."""
+        """t[off_m : off_m + BLOCK_M, off_n : off_n + WIDTH] of an (M, N) tensor t at d_ptr (row
+        pitch stride_dm, unit column stride) in the accumulator's register layout, 0 past M or N."""
         rows = gl.expand_dims(off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout)), 1)  # (BLOCK_M, 1)
         cols = gl.expand_dims(off_n + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout)), 0)    # (1, WIDTH)
-        return gl.load(z_ptr + rows * stride_zm + cols, mask=(rows < M) & (cols < N), other=0.0)
+        return gl.load(d_ptr + rows * stride_dm + cols, mask=(rows < M) & (cols < N), other=0.0)
 
     @gluon.jit
     def _tanh(x):
@@ -132,18 +129,15 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                                          pack=1)
 
     @gluon.jit
-    def _gelu(z):
-        """GELU's tanh approximation, 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))), in fp32."""
-        t = _tanh(0.7978845608028654 * z * (1.0 + 0.044715 * z * z))
-        hz = 0.5 * z
-        return hz + hz * t
-
-    @gluon.jit
-    def _gelu_grad(z):
-        """d gelu / dz = 0.5 (1 + t) + 0.5 z (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 z^2), in fp32."""
+    def _gelu_and_grad(z):
+        """GELU's tanh approximation and its derivative at z, in fp32, from one tanh:
+        t = tanh(sqrt(2/pi) (z + 0.044715 z^3)),  gelu(z) = 0.5 z (1 + t),
+        gelu'(z) = 0.5 (1 + t) + 0.5 z (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 z^2)."""
         z2 = z * z
         t = _tanh(0.7978845608028654 * z * (1.0 + 0.044715 * z2))
-        return 0.5 + 0.5 * t + (0.5 * z) * (1.0 - t * t) * (0.7978845608028654 * (1.0 + 0.134145 * z2))
+        hz = 0.5 * z
+        d = 0.5 + 0.5 * t + hz * (1.0 - t * t) * (0.7978845608028654 * (1.0 + 0.134145 * z2))
+        return hz + hz * t, d
 
     @gluon.jit
     def _store_colsum(colsum_ptr, row, off_n, N, y, WIDTH: gl.constexpr, layout: gl.constexpr):
@@ -152,10 +146,10 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         gl.store(colsum_ptr + row * N + cols, gl.sum(y, axis=0), mask=cols < N)
 
     @gluon.jit
-    def _mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem,
-                       bias_ptr, z_ptr, colsum_ptr, M, N, K, stride_zm,
-                       HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr, B_KN: gl.constexpr, VARIANT: gl.constexpr,
-                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    def _mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, d_desc, d2_desc, c_smem, c2_smem,
+                       bias_ptr, d_ptr, colsum_ptr, M, N, K, stride_dm,
+                       HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr, GROUP_M: gl.constexpr,
+                       STAGES: gl.constexpr, num_warps: gl.constexpr):
         """The default partition: the MMAs and the epilogue of every tile of this program."""
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
@@ -178,22 +172,18 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             if HAS_BIAS:  # loaded now, so that its latency hides behind the MMAs
                 bias = _load_bias(bias_ptr, off_n, N, BLOCK_N, layout)
                 bias2 = _load_bias(bias_ptr, off_n + BLOCK_N, N, EXTRA_N, layout2)
-            if EPILOGUE == 2 and (VARIANT & 2) != 0:
-                zt = _load_tile(z_ptr, off_m, off_n, M, N, stride_zm, BLOCK_M, BLOCK_N, layout)
-                zt2 = _load_tile(z_ptr, off_m, off_n + BLOCK_N, M, N, stride_zm, BLOCK_M, EXTRA_N, layout2)
+            if EPILOGUE == 2:  # this tile of the saved gelu'(Z), loaded now for the same reason
+                dt = _load_tile(d_ptr, off_m, off_n, M, N, stride_dm, BLOCK_M, BLOCK_N, layout)
+                dt2 = _load_tile(d_ptr, off_m, off_n + BLOCK_N, M, N, stride_dm, BLOCK_M, EXTRA_N, layout2)
             for k in range(k_tiles):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
                 # B stages hold (N, K) tiles of w; the MMA reads them transposed. use_acc=False
                 # on a tile's first step discards what the registers held.
-                if B_KN:
-                    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, use_acc=k > 0, is_async=True)
-                    acc2 = warpgroup_mma(a_bufs.index(s), b2_bufs.index(s), acc2, use_acc=k > 0, is_async=True)
-                else:
-                    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=k > 0,
-                                        is_async=True)
-                    acc2 = warpgroup_mma(a_bufs.index(s), b2_bufs.index(s).permute((1, 0)), acc2, use_acc=k > 0,
-                                         is_async=True)
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=k > 0,
+                                    is_async=True)
+                acc2 = warpgroup_mma(a_bufs.index(s), b2_bufs.index(s).permute((1, 0)), acc2, use_acc=k > 0,
+                                     is_async=True)
                 # At most this step's two MMAs are still running, so the previous step's stage
                 # has been read: hand it back to the producer.
                 acc, acc2 = warpgroup_mma_wait(2, deps=(acc, acc2))
@@ -205,30 +195,25 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             if HAS_BIAS:
                 y, y2 = acc + bias, acc2 + bias2
             if EPILOGUE == 1:
-                # Z = acc + bias goes out first, through the same staging buffers (the ring leaves
-                # no room for a second pair); GELU is computed while those stores are in flight.
+                # Z = acc + bias is not stored: GELU's backward needs only D = gelu'(Z), computed
+                # here from the same tanh as gelu(Z) and stored first, through the same staging
+                # buffers (the ring leaves no room for a second pair).
+                # One part at a time, each D rounded and staged at once: fewer live registers.
                 tma.store_wait(pendings=0)
-                c_smem.store(y.to(z_desc.dtype))
-                c2_smem.store(y2.to(z2_desc.dtype))
+                y, d = _gelu_and_grad(y)
+                c_smem.store(d.to(d_desc.dtype))
+                y2, d2 = _gelu_and_grad(y2)
+                c2_smem.store(d2.to(d2_desc.dtype))
                 fence_async_shared()
-                tma_store(z_desc, [off_m, off_n], c_smem)
-                tma_store(z2_desc, [off_m, off_n + BLOCK_N], c2_smem)
-                y, y2 = _gelu(y), _gelu(y2)
+                tma_store(d_desc, [off_m, off_n], c_smem)
+                tma_store(d2_desc, [off_m, off_n + BLOCK_N], c2_smem)
             if EPILOGUE == 2:
-                # dZ = (dY W) * gelu'(Z), and this tile's column sums of dZ (the bias gradient's
-                # partial sums, one row per tile row; rows past M contribute 0: A read zeros there).
-                # Z is loaded only now: held in registers across the MMA loop, it made the
-                # partition spill (its 8 warps share the kernel's 168 registers a thread).
-                if (VARIANT & 2) == 0:
-                    zt = _load_tile(z_ptr, off_m, off_n, M, N, stride_zm, BLOCK_M, BLOCK_N, layout)
-                    zt2 = _load_tile(z_ptr, off_m, off_n + BLOCK_N, M, N, stride_zm, BLOCK_M, EXTRA_N, layout2)
-                if (VARIANT & 4) != 0:
-                    y, y2 = y * zt.to(gl.float32), y2 * zt2.to(gl.float32)
-                else:
-                    y, y2 = y * _gelu_grad(zt.to(gl.float32)), y2 * _gelu_grad(zt2.to(gl.float32))
-                if (VARIANT & 1) == 0:
-                    _store_colsum(colsum_ptr, off_m // BLOCK_M, off_n, N, y, BLOCK_N, layout)
-                    _store_colsum(colsum_ptr, off_m // BLOCK_M, off_n + BLOCK_N, N, y2, EXTRA_N, layout2)
+                # dZ = (dY W) * D: one multiply (the derivative was evaluated in the forward pass),
+                # and this tile's column sums of dZ (the bias gradient's partial sums, one row
+                # per tile row; rows past M add 0: A read zeros there).
+                y, y2 = y * dt.to(gl.float32), y2 * dt2.to(gl.float32)
+                _store_colsum(colsum_ptr, off_m // BLOCK_M, off_n, N, y, BLOCK_N, layout)
+                _store_colsum(colsum_ptr, off_m // BLOCK_M, off_n + BLOCK_N, N, y2, EXTRA_N, layout2)
             # The previous tile's TMA stores must have read c_smem / c2_smem before we overwrite them.
             tma.store_wait(pendings=0)
             c_smem.store(y.to(c_desc.dtype))  # one rounding
@@ -242,16 +227,14 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
     def matmul_ws_kernel(
         a_desc, b_desc, b2_desc,            # TMA descriptors of A (M, K) and of w (N, K), two box widths
         c_desc, c2_desc,                    # ... of C (M, N), two box widths
-        z_desc, z2_desc,                    # ... of Z (M, N), written only if EPILOGUE == 1
+        d_desc, d2_desc,                    # ... of D = gelu'(Z) (M, N), written only if EPILOGUE == 1
         bias_ptr,                           # bias (N,), read only if HAS_BIAS
-        z_ptr,                              # Z (M, N), row pitch stride_zm, read only if EPILOGUE == 2
+        d_ptr,                              # D (M, N), row pitch stride_dm, read only if EPILOGUE == 2
         colsum_ptr,                         # (cdiv(M, BLOCK_M), N) fp32, written only if EPILOGUE == 2
-        M, N, K, stride_zm,
+        M, N, K, stride_dm,
         HAS_BIAS: gl.constexpr,
-        EPILOGUE: gl.constexpr,             # 0: C = A w^T (+ bias); 1: also Z = that, and C = gelu(Z);
-                                            # 2: C = (A w^T) * gelu'(Z), with column sums of C
-        B_KN: gl.constexpr,                 # b_desc, b2_desc describe B (K, N) itself, not w = B^T
-        VARIANT: gl.constexpr,
+        EPILOGUE: gl.constexpr,             # 0: C = Z = A w^T (+ bias); 1: C = gelu(Z) and D = gelu'(Z);
+                                            # 2: C = (A w^T) * D, with column sums of C
         GROUP_M: gl.constexpr,
         STAGES: gl.constexpr,               # shared-memory stages in the load ring
         num_warps: gl.constexpr,            # of the MMA partition (the producer adds one warp)
@@ -272,11 +255,10 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             mbarrier.init(empty.index(i), count=1)
         fence_async_shared()  # the initialised barriers, visible to the TMA unit
         gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, z_desc, z2_desc, c_smem,
-                              c2_smem, bias_ptr, z_ptr, colsum_ptr, M, N, K, stride_zm, HAS_BIAS, EPILOGUE,
-                              B_KN, VARIANT, GROUP_M, STAGES, num_warps)),
-            (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, B_KN, GROUP_M,
-                         STAGES)),
+            (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, d_desc, d2_desc, c_smem,
+                              c2_smem, bias_ptr, d_ptr, colsum_ptr, M, N, K, stride_dm, HAS_BIAS, EPILOGUE,
+                              GROUP_M, STAGES, num_warps)),
+            (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, GROUP_M, STAGES)),
         ], [1], [40])  # the producer: 1 warp, 40 registers a thread (the MMA warps get the rest)
 
 
@@ -355,56 +337,41 @@ class _HostDesc:
         self.base, self.shape, self.strides, self.padding = base, base.shape, base.stride(), "zero"
 
 
-def ws_tensors(a, b, c, z=None, b_kn=False):
-    """The seven descriptor operands of a launch, in kernel order: A, w twice, C twice, Z twice
-    (w = b.t(), or b itself with b_kn; Z is C where the epilogue writes no Z)."""
-    w = b if b_kn else b.t()
-    z = c if z is None else z
-    return a, w, w, c, c, z, z
+def ws_tensors(a, b, c, d=None):
+    """The seven descriptor operands of a launch, in kernel order: A, w twice, C twice, D twice
+    (w = b.t(); D is C where the epilogue writes no D)."""
+    w = b.t()
+    d = c if d is None else d
+    return a, w, w, c, c, d, d
 
 
-def lean_descriptors(a, b, c, z=None, b_kn=False):
+def lean_descriptors(a, b, c, d=None):
     """The seven descriptor arguments for a repeated launch (see _HostDesc)."""
-    return tuple(_HostDesc(t) for t in ws_tensors(a, b, c, z, b_kn))
+    return tuple(_HostDesc(t) for t in ws_tensors(a, b, c, d))
 
 
-_LAYOUTS_KN: dict = {}
-
-
-def _layouts7(dtype, b_kn=False):
-    """Box and layout of each of the seven descriptors: Z's are C's; with b_kn, B's boxes are
-    (BLOCK_K, width) tiles of B (K, N) itself."""
+def _layouts7(dtype):
+    """Box and layout of each of the seven descriptors: D's are C's."""
     layouts = _layouts(dtype)
-    if b_kn:
-        if dtype not in _LAYOUTS_KN:
-            gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-            get = gl.NVMMASharedLayout.get_default_for
-            _LAYOUTS_KN[dtype] = [([BLOCK_K, bn], get([BLOCK_K, bn], gdt)) for bn in (BLOCK_N, EXTRA_N)]
-        layouts = [layouts[0], *_LAYOUTS_KN[dtype], *layouts[3:]]
     return layouts + layouts[3:5]
 
 
-PROBE_VARIANT = 0
-
-
-def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, colsum=None, b_kn=False):
+def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, d=None, colsum=None):
     """Launch c = a @ b (+ bias) on the warp-specialised kernel (the caller checked ws_eligible),
-    or with epilogue 1 (z = a @ b + bias, c = gelu(z)) or 2 (c = (a @ b) * gelu'(z), colsum its
-    per-tile column sums). Returns (the jitted kernel, the compiled kernel, grid, args, kwargs):
-    what launch.compiled_launch needs to repeat it, with the seven descriptors and the three
-    pointers first."""
+    or with epilogue 1 (z = a @ b + bias; c = gelu(z), d = gelu'(z)) or 2 (c = (a @ b) * d,
+    colsum its per-tile column sums). Returns (the jitted kernel, the compiled kernel, grid,
+    args, kwargs): what launch.compiled_launch needs to repeat it, with the seven descriptors and
+    the three pointers first."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     M, K = a.shape
     N = b.shape[1]
     descs = tuple(TensorDescriptor.from_tensor(t, box, layout)
-                  for t, (box, layout) in zip(ws_tensors(a, b, c, z if epilogue == 1 else None, b_kn),
-                                              _layouts7(a.dtype, b_kn)))
+                  for t, (box, layout) in zip(ws_tensors(a, b, c, d if epilogue == 1 else None), _layouts7(a.dtype)))
     tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N + EXTRA_N)
     grid = (min(num_programs or num_sms, tiles),)
-    args = (*descs, bias if bias is not None else c, z if epilogue == 2 else c, colsum if epilogue == 2 else c,
-            M, N, K, z.stride(0) if epilogue == 2 else 0)
-    kwargs = dict(HAS_BIAS=bias is not None, EPILOGUE=epilogue, B_KN=b_kn, VARIANT=PROBE_VARIANT, GROUP_M=GROUP_M,
-                  STAGES=STAGES, num_warps=NUM_WARPS)
+    args = (*descs, bias if bias is not None else c, d if epilogue == 2 else c, colsum if epilogue == 2 else c,
+            M, N, K, d.stride(0) if epilogue == 2 else 0)
+    kwargs = dict(HAS_BIAS=bias is not None, EPILOGUE=epilogue, GROUP_M=GROUP_M, STAGES=STAGES, num_warps=NUM_WARPS)
     compiled = matmul_ws_kernel[grid](*args, **kwargs)
     return matmul_ws_kernel, compiled, grid, args, kwargs
 
@@ -424,40 +391,37 @@ def launch(a, b, c, bias=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# GELU on both sides of the MLP, fused into this kernel's epilogue (used by kernels/mlp.py)
+# GELU on both sides of the MLP, fused into this kernel's epilogues (used by kernels/mlp.py)
 # ----------------------------------------------------------------------------------------------
 _GELU_LAUNCHES: dict = {}  # call signature -> CompiledLaunch (the lean path, as launch() has)
 
 
-def gelu_eligible(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether gelu_forward and dgelu can compute a @ b here: this kernel on this GPU (sm_90,
-    compiled), bf16/fp16 operands of one dtype, a (M, K) and b (K, N) either w.t() for a
-    row-major w (N, K) (nn.Linear's weight) or row-major itself, all addressable by TMA, no
-    dimension below 16, and M * N below 2^31 (the epilogue's pointer offsets are 32-bit)."""
+def gelu_eligible(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether gelu_forward(a, w, ...) and dgelu(a, w, ...) can run here: this kernel on this
+    GPU (sm_90, compiled), bf16/fp16 operands of one dtype, a (M, K) and w (N, K) addressable
+    by TMA, no dimension below 16, and M * N below 2^31 (the epilogue's pointer offsets are
+    32-bit)."""
     if WS_IMPORT_ERROR is not None or env.interpreting() or not a.is_cuda or env.capability(a.device) != (9, 0):
         return False
-    if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype or a.dim() != 2 or b.dim() != 2:
+    if a.dtype not in (torch.bfloat16, torch.float16) or w.dtype != a.dtype or a.dim() != 2 or w.dim() != 2:
         return False
-    (M, K), N = a.shape, b.shape[1]
-    return (b.shape[0] == K and min(M, N, K) >= 16 and M * N < 2**31 and _aligned(a)
-            and (_aligned(b.t()) or _aligned(b)) and N * a.element_size() % 16 == 0)
+    (M, K), N = a.shape, w.shape[0]
+    return (w.shape[1] == K and min(M, N, K) >= 16 and M * N < 2**31 and _aligned(a) and _aligned(w)
+            and N * a.element_size() % 16 == 0)
 
 
-def _run(epilogue, a, b, c, bias, z, colsum):
-    """One launch of epilogue 1 or 2 computing from a @ b, b read as w = b.t() (row-major
-    (N, K)) where it is that, else as row-major (K, N); through the lean path after the first
-    call of a signature."""
-    b_kn = not _aligned(b.t())
-    key = (epilogue, b_kn, PROBE_VARIANT, a.device.index, a.dtype, a.shape, a.stride(), b.shape, b.stride(),
-           a.data_ptr() % 16, b.data_ptr() % 16, None if bias is None else (bias.dtype, bias.stride()),
-           z.stride(), z.data_ptr() % 16, c.data_ptr() % 16)
+def _run(epilogue, a, w, c, bias, d, colsum):
+    """One launch of epilogue 1 or 2, through the lean path after the first call of a signature."""
+    key = (epilogue, a.device.index, a.dtype, a.shape, a.stride(), w.shape, w.stride(), a.data_ptr() % 16,
+           w.data_ptr() % 16, None if bias is None else (bias.dtype, bias.stride()),
+           d.stride(), d.data_ptr() % 16, c.data_ptr() % 16)
     remembered = _GELU_LAUNCHES.get(key)
     if remembered is not None:
-        remembered(a.device.index, *lean_descriptors(a, b, c, z if epilogue == 1 else None, b_kn),
-                   bias if bias is not None else c, z if epilogue == 2 else c, colsum if epilogue == 2 else c)
+        remembered(a.device.index, *lean_descriptors(a, w.t(), c, d if epilogue == 1 else None),
+                   bias if bias is not None else c, d if epilogue == 2 else c, colsum if epilogue == 2 else c)
         return
-    jit_fn, compiled, grid, args, kwargs = ws_launch(a, b, c, bias, env.num_sms(a.device), epilogue=epilogue,
-                                                     z=z, colsum=colsum, b_kn=b_kn)
+    jit_fn, compiled, grid, args, kwargs = ws_launch(a, w.t(), c, bias, env.num_sms(a.device), epilogue=epilogue,
+                                                     d=d, colsum=colsum)
     if _lean_enabled():
         remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=10)
         if remembered is not None:
@@ -469,28 +433,32 @@ def _lean_enabled() -> bool:
     return lean_launch_enabled()
 
 
-def gelu_forward(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None):
-    """(y, z) with z = a @ b + bias and y = gelu(z) (tanh approximation), both in a's dtype,
-    from one launch: the epilogue writes z (GELU's backward needs it) and then y, computed from
-    z in fp32 before rounding. a: (M, K), b: (K, N) (w.t() for nn.Linear's weight w) -> y, z:
-    (M, N). The caller checked gelu_eligible(a, b)."""
-    M, N = a.shape[0], b.shape[1]
+def gelu_forward(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None):
+    """(y, d) with z = a @ w.T + bias, y = gelu(z) and d = gelu'(z) (tanh approximation), both
+    in a's dtype, from one launch: z stays in fp32 registers and is never stored, since GELU's
+    backward needs only d (dgelu). a: (M, K), w: (N, K) -> y, d: (M, N). The caller checked
+    gelu_eligible(a, w)."""
+    M, N = a.shape[0], w.shape[0]
+    if w.shape[1] != a.shape[1]:
+        raise ValueError(f"a is {tuple(a.shape)} but w is {tuple(w.shape)}: w must be (N, {a.shape[1]})")
     y = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    z = torch.empty_like(y)
-    _run(1, a, b, y, bias, z, None)
-    return y, z
+    d = torch.empty_like(y)
+    _run(1, a, w, y, bias, d, None)
+    return y, d
 
 
-def dgelu(g: torch.Tensor, b: torch.Tensor, z: torch.Tensor):
-    """(dz, colsum) with dz = (g @ b) * gelu'(z) in g's dtype, and colsum (cdiv(M, 128), N) fp32
-    the column sums of dz over each 128-row tile, before rounding (colsum.sum(0) is the bias
-    gradient). g: (M, K), b: (K, N) (for the MLP, c_proj's weight itself), z: (M, N) row-major
-    in g's dtype. The caller checked gelu_eligible(g, b)."""
-    M, N = g.shape[0], b.shape[1]
-    if z.shape != (M, N) or z.dtype != g.dtype or z.stride(1) != 1 or not _aligned(z):
-        raise ValueError(f"z must be a ({M}, {N}) {g.dtype} tensor with unit column stride and 16-byte rows, "
-                         f"got {tuple(z.shape)} {z.dtype} strides {z.stride()}")
+def dgelu(g: torch.Tensor, w: torch.Tensor, d: torch.Tensor):
+    """(dz, colsum) with dz = (g @ w.T) * d in g's dtype (d = gelu'(z) from gelu_forward), and
+    colsum (cdiv(M, 128), N) fp32 the column sums of dz over each 128-row tile, before rounding
+    (colsum.sum(0) is the bias gradient). g: (M, K), w: (N, K), d: (M, N) row-major in g's dtype.
+    The caller checked gelu_eligible(g, w)."""
+    M, N = g.shape[0], w.shape[0]
+    if w.shape[1] != g.shape[1]:
+        raise ValueError(f"g is {tuple(g.shape)} but w is {tuple(w.shape)}: w must be (N, {g.shape[1]})")
+    if d.shape != (M, N) or d.dtype != g.dtype or d.stride(1) != 1 or not _aligned(d):
+        raise ValueError(f"d must be a ({M}, {N}) {g.dtype} tensor with unit column stride and 16-byte rows, "
+                         f"got {tuple(d.shape)} {d.dtype} strides {d.stride()}")
     dz = torch.empty((M, N), dtype=g.dtype, device=g.device)
     colsum = torch.empty((triton.cdiv(M, BLOCK_M), N), dtype=torch.float32, device=g.device)
-    _run(2, g, b, dz, None, z, colsum)
+    _run(2, g, w, dz, None, d, colsum)
     return dz, colsum
