@@ -31,7 +31,9 @@ cuBLAS's 25.0 at 12288 x 768 x 768 (the TMA kernel: 30-31 us), 92.1 against 90.9
 
 Scope, checked by `ws_eligible`: sm_90 exactly (Blackwell has no wgmma), bf16/fp16, the forward
 layout (A (M, K) with unit column stride, B = w.t() for a row-major weight w (N, K)), optional
-bias, no activation, C row-major; every base address and row pitch 16-byte aligned. Everything
+bias, no activation, C row-major; every base address and row pitch 16-byte aligned.
+`gelu_forward` runs the same kernel with a GELU epilogue (EPILOGUE=1: Z = A w^T + bias and
+gelu(Z), both stored) for the MLP's first product (kernels/mlp.py); `gelu_eligible` says where. Everything
 else goes to the TMA kernel (tma.py) or the grouped kernel (grouped.py); `matmul.plan` decides,
 using `ws_eligible` and `ws_preferred`. Gluon kernels run only compiled (there is no interpreter
 for them); where Gluon is missing, WS_IMPORT_ERROR says why and nothing here is used.
@@ -110,44 +112,25 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         return gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
 
     @gluon.jit
-    def _load_tile(d_ptr, off_m, off_n, M, N, stride_dm, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr,
-                   layout: gl.constexpr):
-        """t[off_m : off_m + BLOCK_M, off_n : off_n + WIDTH] of an (M, N) tensor t at d_ptr (row
-        pitch stride_dm, unit column stride) in the accumulator's register layout, 0 past M or N."""
-        rows = gl.expand_dims(off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout)), 1)  # (BLOCK_M, 1)
-        cols = gl.expand_dims(off_n + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout)), 0)    # (1, WIDTH)
-        return gl.load(d_ptr + rows * stride_dm + cols, mask=(rows < M) & (cols < N), other=0.0)
-
-    @gluon.jit
     def _tanh(x):
         """tanh(x) in one instruction, PTX tanh.approx.f32 (sm_75 and later; at most 2^-11 relative
-        error by the PTX ISA manual): the epilogue runs while the tensor cores wait, and the
-        special-function unit that evaluates exp, reciprocals and tanh does 16 of them per clock
-        and multiprocessor against 128 fused multiply-adds, so one such call instead of two
-        (exp and a reciprocal, as in epilogue.sigmoid_f32) is most of what GELU costs here."""
+        error by the PTX ISA manual). The epilogue runs while the tensor cores wait, and the
+        special-function unit, which evaluates exp, reciprocals and tanh, does 16 of them per
+        clock and multiprocessor against 128 fused multiply-adds: one call instead of two (exp and
+        a reciprocal, as epilogue.sigmoid_f32 has) is most of what GELU costs here."""
         return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
                                          pack=1)
 
     @gluon.jit
-    def _gelu_and_grad(z):
-        """GELU's tanh approximation and its derivative at z, in fp32, from one tanh:
-        t = tanh(sqrt(2/pi) (z + 0.044715 z^3)),  gelu(z) = 0.5 z (1 + t),
-        gelu'(z) = 0.5 (1 + t) + 0.5 z (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 z^2)."""
-        z2 = z * z
-        t = _tanh(0.7978845608028654 * z * (1.0 + 0.044715 * z2))
+    def _gelu(z):
+        """GELU's tanh approximation, 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))), in fp32."""
+        t = _tanh(0.7978845608028654 * z * (1.0 + 0.044715 * z * z))
         hz = 0.5 * z
-        d = 0.5 + 0.5 * t + hz * (1.0 - t * t) * (0.7978845608028654 * (1.0 + 0.134145 * z2))
-        return hz + hz * t, d
+        return hz + hz * t
 
     @gluon.jit
-    def _store_colsum(colsum_ptr, row, off_n, N, y, WIDTH: gl.constexpr, layout: gl.constexpr):
-        """colsum[row, off_n : off_n + WIDTH] = the tile's column sums of y in fp32 (nothing past N)."""
-        cols = off_n + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
-        gl.store(colsum_ptr + row * N + cols, gl.sum(y, axis=0), mask=cols < N)
-
-    @gluon.jit
-    def _mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, d_desc, d2_desc, c_smem, c2_smem,
-                       bias_ptr, d_ptr, colsum_ptr, M, N, K, stride_dm,
+    def _mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem,
+                       bias_ptr, M, N, K,
                        HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr, GROUP_M: gl.constexpr,
                        STAGES: gl.constexpr, num_warps: gl.constexpr):
         """The default partition: the MMAs and the epilogue of every tile of this program."""
@@ -172,9 +155,6 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             if HAS_BIAS:  # loaded now, so that its latency hides behind the MMAs
                 bias = _load_bias(bias_ptr, off_n, N, BLOCK_N, layout)
                 bias2 = _load_bias(bias_ptr, off_n + BLOCK_N, N, EXTRA_N, layout2)
-            if EPILOGUE == 2:  # this tile of the saved gelu'(Z), loaded now for the same reason
-                dt = _load_tile(d_ptr, off_m, off_n, M, N, stride_dm, BLOCK_M, BLOCK_N, layout)
-                dt2 = _load_tile(d_ptr, off_m, off_n + BLOCK_N, M, N, stride_dm, BLOCK_M, EXTRA_N, layout2)
             for k in range(k_tiles):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
@@ -195,25 +175,15 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             if HAS_BIAS:
                 y, y2 = acc + bias, acc2 + bias2
             if EPILOGUE == 1:
-                # Z = acc + bias is not stored: GELU's backward needs only D = gelu'(Z), computed
-                # here from the same tanh as gelu(Z) and stored first, through the same staging
-                # buffers (the ring leaves no room for a second pair).
-                # One part at a time, each D rounded and staged at once: fewer live registers.
+                # Z = acc + bias goes out first, through the same staging buffers (the ring leaves
+                # no room for a second pair); GELU is computed while those stores are in flight.
                 tma.store_wait(pendings=0)
-                y, d = _gelu_and_grad(y)
-                c_smem.store(d.to(d_desc.dtype))
-                y2, d2 = _gelu_and_grad(y2)
-                c2_smem.store(d2.to(d2_desc.dtype))
+                c_smem.store(y.to(z_desc.dtype))
+                c2_smem.store(y2.to(z2_desc.dtype))
                 fence_async_shared()
-                tma_store(d_desc, [off_m, off_n], c_smem)
-                tma_store(d2_desc, [off_m, off_n + BLOCK_N], c2_smem)
-            if EPILOGUE == 2:
-                # dZ = (dY W) * D: one multiply (the derivative was evaluated in the forward pass),
-                # and this tile's column sums of dZ (the bias gradient's partial sums, one row
-                # per tile row; rows past M add 0: A read zeros there).
-                y, y2 = y * dt.to(gl.float32), y2 * dt2.to(gl.float32)
-                _store_colsum(colsum_ptr, off_m // BLOCK_M, off_n, N, y, BLOCK_N, layout)
-                _store_colsum(colsum_ptr, off_m // BLOCK_M, off_n + BLOCK_N, N, y2, EXTRA_N, layout2)
+                tma_store(z_desc, [off_m, off_n], c_smem)
+                tma_store(z2_desc, [off_m, off_n + BLOCK_N], c2_smem)
+                y, y2 = _gelu(y), _gelu(y2)
             # The previous tile's TMA stores must have read c_smem / c2_smem before we overwrite them.
             tma.store_wait(pendings=0)
             c_smem.store(y.to(c_desc.dtype))  # one rounding
@@ -227,14 +197,11 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
     def matmul_ws_kernel(
         a_desc, b_desc, b2_desc,            # TMA descriptors of A (M, K) and of w (N, K), two box widths
         c_desc, c2_desc,                    # ... of C (M, N), two box widths
-        d_desc, d2_desc,                    # ... of D = gelu'(Z) (M, N), written only if EPILOGUE == 1
+        z_desc, z2_desc,                    # ... of Z (M, N), written only if EPILOGUE == 1
         bias_ptr,                           # bias (N,), read only if HAS_BIAS
-        d_ptr,                              # D (M, N), row pitch stride_dm, read only if EPILOGUE == 2
-        colsum_ptr,                         # (cdiv(M, BLOCK_M), N) fp32, written only if EPILOGUE == 2
-        M, N, K, stride_dm,
+        M, N, K,
         HAS_BIAS: gl.constexpr,
-        EPILOGUE: gl.constexpr,             # 0: C = Z = A w^T (+ bias); 1: C = gelu(Z) and D = gelu'(Z);
-                                            # 2: C = (A w^T) * D, with column sums of C
+        EPILOGUE: gl.constexpr,             # 0: C = A w^T (+ bias); 1: also Z = that, and C = gelu(Z)
         GROUP_M: gl.constexpr,
         STAGES: gl.constexpr,               # shared-memory stages in the load ring
         num_warps: gl.constexpr,            # of the MMA partition (the producer adds one warp)
@@ -255,8 +222,8 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             mbarrier.init(empty.index(i), count=1)
         fence_async_shared()  # the initialised barriers, visible to the TMA unit
         gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, d_desc, d2_desc, c_smem,
-                              c2_smem, bias_ptr, d_ptr, colsum_ptr, M, N, K, stride_dm, HAS_BIAS, EPILOGUE,
+            (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, z_desc, z2_desc, c_smem,
+                              c2_smem, bias_ptr, M, N, K, HAS_BIAS, EPILOGUE,
                               GROUP_M, STAGES, num_warps)),
             (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, GROUP_M, STAGES)),
         ], [1], [40])  # the producer: 1 warp, 40 registers a thread (the MMA warps get the rest)
@@ -337,40 +304,38 @@ class _HostDesc:
         self.base, self.shape, self.strides, self.padding = base, base.shape, base.stride(), "zero"
 
 
-def ws_tensors(a, b, c, d=None):
-    """The seven descriptor operands of a launch, in kernel order: A, w twice, C twice, D twice
-    (w = b.t(); D is C where the epilogue writes no D)."""
+def ws_tensors(a, b, c, z=None):
+    """The seven descriptor operands of a launch, in kernel order: A, w twice, C twice, Z twice
+    (w = b.t(); Z is C where the epilogue writes no Z)."""
     w = b.t()
-    d = c if d is None else d
-    return a, w, w, c, c, d, d
+    z = c if z is None else z
+    return a, w, w, c, c, z, z
 
 
-def lean_descriptors(a, b, c, d=None):
+def lean_descriptors(a, b, c, z=None):
     """The seven descriptor arguments for a repeated launch (see _HostDesc)."""
-    return tuple(_HostDesc(t) for t in ws_tensors(a, b, c, d))
+    return tuple(_HostDesc(t) for t in ws_tensors(a, b, c, z))
 
 
 def _layouts7(dtype):
-    """Box and layout of each of the seven descriptors: D's are C's."""
+    """Box and layout of each of the seven descriptors: Z's are C's."""
     layouts = _layouts(dtype)
     return layouts + layouts[3:5]
 
 
-def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, d=None, colsum=None):
+def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None):
     """Launch c = a @ b (+ bias) on the warp-specialised kernel (the caller checked ws_eligible),
-    or with epilogue 1 (z = a @ b + bias; c = gelu(z), d = gelu'(z)) or 2 (c = (a @ b) * d,
-    colsum its per-tile column sums). Returns (the jitted kernel, the compiled kernel, grid,
-    args, kwargs): what launch.compiled_launch needs to repeat it, with the seven descriptors and
-    the three pointers first."""
+    or with epilogue 1 (z = a @ b + bias, c = gelu(z)). Returns (the jitted kernel, the compiled kernel, grid, args, kwargs):
+    what launch.compiled_launch needs to repeat it, with the seven descriptors and the three
+    pointers first."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     M, K = a.shape
     N = b.shape[1]
     descs = tuple(TensorDescriptor.from_tensor(t, box, layout)
-                  for t, (box, layout) in zip(ws_tensors(a, b, c, d if epilogue == 1 else None), _layouts7(a.dtype)))
+                  for t, (box, layout) in zip(ws_tensors(a, b, c, z if epilogue == 1 else None), _layouts7(a.dtype)))
     tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N + EXTRA_N)
     grid = (min(num_programs or num_sms, tiles),)
-    args = (*descs, bias if bias is not None else c, d if epilogue == 2 else c, colsum if epilogue == 2 else c,
-            M, N, K, d.stride(0) if epilogue == 2 else 0)
+    args = (*descs, bias if bias is not None else c, M, N, K)
     kwargs = dict(HAS_BIAS=bias is not None, EPILOGUE=epilogue, GROUP_M=GROUP_M, STAGES=STAGES, num_warps=NUM_WARPS)
     compiled = matmul_ws_kernel[grid](*args, **kwargs)
     return matmul_ws_kernel, compiled, grid, args, kwargs
@@ -381,23 +346,23 @@ def launch(a, b, c, bias=None):
     a replay function `(a, b, c, bias, z)` for new tensors of the same signature (launch.py),
     which passes `lean_descriptors` instead of building TensorDescriptors again, or None."""
     jit_fn, compiled, grid, args, kwargs = ws_launch(a, b, c, bias, env.num_sms(a.device))
-    remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=10)
+    remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=8)
     if remembered is None:
         return None
 
-    def replay(a, b, c, bias, z):  # seven host-built descriptors, then the three pointers
-        remembered(a.device.index, *lean_descriptors(a, b, c), bias if bias is not None else c, c, c)
+    def replay(a, b, c, bias, z):  # seven host-built descriptors, then the bias
+        remembered(a.device.index, *lean_descriptors(a, b, c), bias if bias is not None else c)
     return replay
 
 
 # ----------------------------------------------------------------------------------------------
-# GELU on both sides of the MLP, fused into this kernel's epilogues (used by kernels/mlp.py)
+# GELU fused into the MLP's first product (used by kernels/mlp.py)
 # ----------------------------------------------------------------------------------------------
 _GELU_LAUNCHES: dict = {}  # call signature -> CompiledLaunch (the lean path, as launch() has)
 
 
 def gelu_eligible(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether gelu_forward(a, w, ...) and dgelu(a, w, ...) can run here: this kernel on this
+    """Whether gelu_forward(a, w, ...) can run here: this kernel on this
     GPU (sm_90, compiled), bf16/fp16 operands of one dtype, a (M, K) and w (N, K) addressable
     by TMA, no dimension below 16, and M * N below 2^31 (the epilogue's pointer offsets are
     32-bit)."""
@@ -410,55 +375,30 @@ def gelu_eligible(a: torch.Tensor, w: torch.Tensor) -> bool:
             and N * a.element_size() % 16 == 0)
 
 
-def _run(epilogue, a, w, c, bias, d, colsum):
-    """One launch of epilogue 1 or 2, through the lean path after the first call of a signature."""
-    key = (epilogue, a.device.index, a.dtype, a.shape, a.stride(), w.shape, w.stride(), a.data_ptr() % 16,
-           w.data_ptr() % 16, None if bias is None else (bias.dtype, bias.stride()),
-           d.stride(), d.data_ptr() % 16, c.data_ptr() % 16)
-    remembered = _GELU_LAUNCHES.get(key)
-    if remembered is not None:
-        remembered(a.device.index, *lean_descriptors(a, w.t(), c, d if epilogue == 1 else None),
-                   bias if bias is not None else c, d if epilogue == 2 else c, colsum if epilogue == 2 else c)
-        return
-    jit_fn, compiled, grid, args, kwargs = ws_launch(a, w.t(), c, bias, env.num_sms(a.device), epilogue=epilogue,
-                                                     d=d, colsum=colsum)
-    if _lean_enabled():
-        remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=10)
-        if remembered is not None:
-            _GELU_LAUNCHES[key] = remembered
-
-
 def _lean_enabled() -> bool:
     from .launch import lean_launch_enabled
     return lean_launch_enabled()
 
 
 def gelu_forward(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None):
-    """(y, d) with z = a @ w.T + bias, y = gelu(z) and d = gelu'(z) (tanh approximation), both
-    in a's dtype, from one launch: z stays in fp32 registers and is never stored, since GELU's
-    backward needs only d (dgelu). a: (M, K), w: (N, K) -> y, d: (M, N). The caller checked
-    gelu_eligible(a, w)."""
-    M, N = a.shape[0], w.shape[0]
+    """(y, z) with z = a @ w.T + bias and y = gelu(z) (tanh approximation), both in a's dtype,
+    from one launch: the epilogue writes z (GELU's backward needs it) and then y, computed from
+    z in fp32 before rounding. a: (M, K), w: (N, K) -> y, z: (M, N). The caller checked
+    gelu_eligible(a, w). Repeated calls with one signature take the lean launch path."""
     if w.shape[1] != a.shape[1]:
         raise ValueError(f"a is {tuple(a.shape)} but w is {tuple(w.shape)}: w must be (N, {a.shape[1]})")
+    M, N = a.shape[0], w.shape[0]
     y = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    d = torch.empty_like(y)
-    _run(1, a, w, y, bias, d, None)
-    return y, d
-
-
-def dgelu(g: torch.Tensor, w: torch.Tensor, d: torch.Tensor):
-    """(dz, colsum) with dz = (g @ w.T) * d in g's dtype (d = gelu'(z) from gelu_forward), and
-    colsum (cdiv(M, 128), N) fp32 the column sums of dz over each 128-row tile, before rounding
-    (colsum.sum(0) is the bias gradient). g: (M, K), w: (N, K), d: (M, N) row-major in g's dtype.
-    The caller checked gelu_eligible(g, w)."""
-    M, N = g.shape[0], w.shape[0]
-    if w.shape[1] != g.shape[1]:
-        raise ValueError(f"g is {tuple(g.shape)} but w is {tuple(w.shape)}: w must be (N, {g.shape[1]})")
-    if d.shape != (M, N) or d.dtype != g.dtype or d.stride(1) != 1 or not _aligned(d):
-        raise ValueError(f"d must be a ({M}, {N}) {g.dtype} tensor with unit column stride and 16-byte rows, "
-                         f"got {tuple(d.shape)} {d.dtype} strides {d.stride()}")
-    dz = torch.empty((M, N), dtype=g.dtype, device=g.device)
-    colsum = torch.empty((triton.cdiv(M, BLOCK_M), N), dtype=torch.float32, device=g.device)
-    _run(2, g, w, dz, None, d, colsum)
-    return dz, colsum
+    z = torch.empty_like(y)
+    key = (a.device.index, a.dtype, a.shape, a.stride(), w.shape, w.stride(), a.data_ptr() % 16, w.data_ptr() % 16,
+           None if bias is None else (bias.dtype, bias.stride(), bias.data_ptr() % 16))
+    remembered = _GELU_LAUNCHES.get(key)
+    if remembered is not None:
+        remembered(a.device.index, *lean_descriptors(a, w.t(), y, z), bias if bias is not None else y)
+        return y, z
+    jit_fn, compiled, grid, args, kwargs = ws_launch(a, w.t(), y, bias, env.num_sms(a.device), epilogue=1, z=z)
+    if _lean_enabled():
+        remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=8)
+        if remembered is not None:
+            _GELU_LAUNCHES[key] = remembered
+    return y, z
