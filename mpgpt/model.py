@@ -191,7 +191,7 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
         # GPT.use_triton(layers="mlp") sets this to mpgpt.kernels.mlp.gelu_mlp: the same function
-        # with GELU fused into the matmuls on both sides of it.
+        # with GELU fused into c_fc's matmul.
         self.fused = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -437,10 +437,9 @@ class GPT(nn.Module):
         plain nn.Linear (it is tied to wte). ``layers="gelu"`` swaps only mlp.c_fc, the one layer
         whose epilogue saves a pass (the GELU), and leaves the other matmuls to cuBLAS.
         ``layers="mlp"`` keeps every nn.Linear and runs each MLP through
-        ``mpgpt.kernels.mlp.gelu_mlp``: GELU fused into the warp-specialised kernel's epilogue in
-        the forward pass (c_fc) and in the backward pass (c_proj's input gradient, with c_fc's bias
-        gradient), the other products on cuBLAS; on GPUs other than sm_90 it falls back to torch
-        ops. The new layers share the very same Parameter objects, so an optimizer built before
+        ``mpgpt.kernels.mlp.gelu_mlp``: c_fc's product on the warp-specialised kernel with GELU in
+        its epilogue, everything else (the backward pass included) as torch ops; on GPUs other
+        than sm_90 all of it runs as torch ops. The new layers share the very same Parameter objects, so an optimizer built before
         the swap keeps working and the state_dict keys do not change. enable=False swaps back
         (every form). Returns self.
         """

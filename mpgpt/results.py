@@ -42,6 +42,7 @@ RECORDS = {
     "train-peers-nomix-h200": "the recorded step without Inductor's mix-order LayerNorm backward, with and without biases, the Triton layers recorded, fp16 against bf16, beside llm.c and nanoGPT's bench.py in one run (chapter 7)",
     "train-peers-optim16-h200": "the step with the model held in bf16 and the package's fused 16-bit AdamW (llm.c's storage), with and without biases, against the step before it and the O2 recipe, beside llm.c and nanoGPT's bench.py in one run (chapter 7)",
     "train-triton-gelu-h200": "the optim16 step with mlp.c_fc as a Triton matmul with GELU in its epilogue, between two runs of the step without it, with a profile (chapter 7)",
+    "train-triton-mlp-h200": "the optim16 step with GELU fused into each MLP's first matmul on the warp-specialised kernel, between two runs of the step without it, and the bias-free pair (chapter 7)",
     "kernels-graph-h200": "kernel='auto' and TritonLinear forward + backward against cuBLAS, timed by do_bench and as replayed CUDA graphs, two runs started separately (chapters 6, 7)",
     "fp8-h200": "fp8 GEMMs, Fp8Linear against bf16 nn.Linear per layer shape, long-K accumulation (chapter 9)",
     "fp8-training-h200": "GPT-2 small, 2000 steps: bf16 (two seeds) against fp8 in the output layer and in every linear layer (chapter 9)",

@@ -1,4 +1,4 @@
-"""Tests for mpgpt/kernels/mlp.py: the MLP with GELU fused into the matmuls on both sides of it.
+"""Tests for mpgpt/kernels/mlp.py: the MLP with GELU fused into its first matmul.
 
 The reference is the unfused MLP, gelu(x W_fc^T + b_fc) W_proj^T + b_proj, in float64 on the same
 (already rounded) bf16 inputs and parameters, with its gradients from float64 autograd. What the

@@ -145,7 +145,7 @@ TRAIN_CONFIGS = {
     "bf16+compile+fused-ce+optim16+triton-gelu+step-graph+no-mix-order": _config(
         "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="fp32-master",
         triton="gelu"),
-    # GELU fused on both sides of each MLP, in the warp-specialised kernel's epilogues (kernels/mlp.py).
+    # Each MLP with GELU fused into c_fc's product on the warp-specialised kernel (kernels/mlp.py).
     "bf16+compile+fused-ce+optim16+triton-mlp+step-graph+no-mix-order": _config(
         "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="fp32-master",
         triton="mlp"),

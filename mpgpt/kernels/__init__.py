@@ -18,7 +18,7 @@ The package, one file per idea:
     fp8_matmul.py  chapter 9's fp8 GEMM: scales in the epilogue, fp8 output with its amax
     fp8_cast.py  chapter 9's fp8 cast: amax, scale and saturating cast in two launches (Fp8Linear's casts)
     linear.py    TritonLinear; ops.py: its kernels as torch.compile-traceable custom operators
-    mlp.py       the transformer's MLP with GELU fused into the ws kernel's epilogues, both directions
+    mlp.py       the transformer's MLP with GELU fused into its first product (the ws kernel's epilogue)
     cross_entropy.py  chapter 7's fused output layer loss: loss and logit gradients in one pass
     (the benchmark against cuBLAS is mpgpt/bench/kernels.py: python -m mpgpt.bench kernels)
 
