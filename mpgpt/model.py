@@ -451,9 +451,7 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             attn, mlp = block.attn, block.mlp
             mlp.fused = gelu_mlp if enable and layers == "mlp" else None
-            if enable and layers == "mlp":
-                continue
-            if enable:
+            if enable and layers != "mlp":
                 plain = ((attn, "c_attn"), (attn, "c_proj"), (mlp, "c_proj")) if layers == "all" else ()
                 for parent, name in plain:
                     layer = getattr(parent, name)
@@ -462,7 +460,7 @@ class GPT(nn.Module):
                 if not isinstance(mlp.c_fc, TritonLinear):
                     mlp.c_fc = TritonLinear.from_linear(mlp.c_fc, activation="gelu")
                     mlp.act = nn.Identity()  # the GELU now runs inside c_fc's kernel
-            else:
+            else:  # back to nn.Linear: for enable=False, and for layers="mlp", which keeps every nn.Linear
                 for parent, name in ((attn, "c_attn"), (attn, "c_proj"), (mlp, "c_proj"), (mlp, "c_fc")):
                     layer = getattr(parent, name)
                     if isinstance(layer, TritonLinear):

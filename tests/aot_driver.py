@@ -128,7 +128,7 @@ def compile_gluon(kernel: str, epilogue: int = 0) -> dict:
                                               EPILOGUE=epilogue, GROUP_M=ws.GROUP_M, STAGES=ws.STAGES,
                                               num_warps=ws.NUM_WARPS, grid=(132,))
     ptx = compiled.asm["ptx"]
-    return {"shared": compiled.metadata.shared, **instructions(ptx),
+    return {"shared": compiled.metadata.shared, **instructions(ptx), "tanh": ptx.count("tanh.approx.f32"),
             "wgmma_types": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.(\w+)\.", ptx)))}
 
 

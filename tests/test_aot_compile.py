@@ -84,6 +84,8 @@ def test_the_gluon_kernels_compile_for_hopper(compiled, kernel, dtype, operands)
     assert record["ok"], record.get("error")
     assert 0 < record["shared"] <= SHARED_PER_BLOCK[90]
     assert record["mma"] > 0 and record["wgmma_types"] == [operands], record
+    # The GELU epilogue is compiled in (one tanh instruction per element), and only where asked for.
+    assert (record["tanh"] > 0) == (kernel == "ws_gelu"), record
 
 
 def test_bf16_on_sm75_is_refused_whatever_triton_does(compiled):

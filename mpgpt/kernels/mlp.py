@@ -5,8 +5,8 @@
 Unfused, GELU's forward pass is a pass of its own over a (tokens, 4C) tensor: read Z, write
 gelu(Z), 0.61 ms of a 23.6 ms GPT-2 step on the H200 (benchmarks/NOTES-train.md). llm.c moves it
 into cuBLASLt's GEMM epilogue; torch does not expose that epilogue with Z kept for the backward
-pass, so here it goes into our warp-specialised Gluon kernel (ws.py), which runs at cuBLAS's
-speed on these shapes:
+pass, so here it goes into our warp-specialised Gluon kernel (ws.py), within 4 % of cuBLAS on
+GPT-2's c_fc shape (95.9 against 92.5 us, do_bench on the H200):
 
     forward    Z = x W_fc^T + b_fc, Y = gelu(Z)      one launch; the epilogue writes Z, then Y
                out = Y W_proj^T + b_proj             cuBLAS (torch)
