@@ -211,10 +211,12 @@ def test_gpu_gelu_epilogue_writes_z_and_gelu_z(use_bias):
             assert rel_err(z, ref_z) < 1e-2, (M, K, N)
             assert rel_err(y, ref_y) < 1e-2, (M, K, N)
             # Element by element, from fp32 z: bf16's rounding of y (2^-8 relative), tanh.approx's
-            # error (at most 2^-12 |z|, ws._tanh) and fp32 accumulation over K terms (at most
-            # K 2^-24 sum|a w| in any order; gelu' <= 1.13 carries it into y).
+            # error (about 2^-11 of |t| <= 1 by the PTX manual, so about 2^-12 |z| in y, ws._tanh;
+            # allowed twice that) and fp32 accumulation over K terms (at most K 2^-24 sum|a w| in
+            # any order; gelu' <= 1.13 carries it into y). A kernel that rounded z to bf16 before
+            # GELU (error up to 2^-8 |z| gelu'(z)) would fail it.
             acc = K * 2**-24 * (a.double().abs() @ w.double().abs().t())
-            bound = 2**-8 * ref_y.abs() + 2**-12 * ref_z.abs() + 1.13 * acc
+            bound = 2**-8 * ref_y.abs() + 2**-11 * ref_z.abs() + 1.13 * acc
             assert ((y.double() - ref_y).abs() <= bound).all(), (M, K, N)
 
 

@@ -113,9 +113,9 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
 
     @gluon.jit
     def _tanh(x):
-        """tanh(x) in one instruction, PTX tanh.approx.f32 (sm_75 and later; at most 2^-11 relative
-        error by the PTX ISA manual). In GELU, 0.5 z (1 + t), that bound allows an absolute error of
-        up to 2^-12 |z| where t is near -1 (z well below 0, where gelu(z) itself is near 0): at
+        """tanh(x) in one instruction, PTX tanh.approx.f32 (sm_75 and later; about 2^-11 relative
+        error by the PTX ISA manual). In GELU, 0.5 z (1 + t), that allows an absolute error of
+        about 2^-12 |z| where t is near -1 (z well below 0, where gelu(z) itself is near 0): at
         z = -3 up to 7e-4, against gelu(-3) = -0.0036. The epilogue runs while the tensor cores wait, and the
         special-function unit, which evaluates exp, reciprocals and tanh, does 16 of them per
         clock and multiprocessor against 128 fused multiply-adds: one call instead of two (exp and
