@@ -14,7 +14,8 @@ between runs so we do not time the cache):
    recorded once as a CUDA graph and timed by replaying it (`graph` in each row): at the small
    shapes one call's host time can exceed its GPU time, and then do_bench times the host.
 2. the fused linear + bias + GELU(tanh) against torch's F.linear (bias fused by cuBLAS) followed
-   by F.gelu, at 12288 x 768 -> 3072 (GPT-2's c_fc).
+   by F.gelu, at 12288 x 768 -> 3072 (GPT-2's c_fc); on sm_90 also the warp-specialised kernel's
+   GELU epilogue (`ws_gelu_store_z`, the fused MLP's forward product).
 3. TritonLinear forward + backward against nn.Linear (+ nn.GELU), under bf16 autocast with fp32
    parameters, as in training; timed twice: called from Python (do_bench), where each call's
    host time shows whenever it exceeds the GPU's, and recorded once as a CUDA graph and timed by
@@ -169,9 +170,18 @@ def bench_fused(kernels, M=12288, K=768, N=3072):
                      # same (M, N, K) as c_fc: the autotuner reuses that choice, so its
                      # per-config timings would be stale; record only the config.
                      "best_config": _tuning(kern, x, w.t(), bias, "gelu")["best_config"]}
+    names = list(kernels)
+    if ws.gelu_eligible(x, w):
+        # The warp-specialised kernel's GELU epilogue (kernels/mlp.py's forward), which also stores
+        # the pre-activation z as the layer keeps it for its backward pass.
+        out, _ = ws.gelu_forward(x, w, bias)
+        ms = _median_ms(lambda: ws.gelu_forward(x, w, bias))
+        res["ws_gelu_store_z"] = {"ms": ms, "speedup_vs_torch_unfused": res["torch_linear_bias_gelu_ms"] / ms,
+                                  "rel_diff": ((out.float() - ref).norm() / ref.norm()).item()}
+        names.append("ws_gelu_store_z")
     line = (f"fused bias+GELU {M}x{K}->{N}: torch linear+bias {res['torch_linear_bias_ms']*1e3:.0f} us, "
             f"+gelu {res['torch_linear_bias_gelu_ms']*1e3:.0f} us")
-    for kern in kernels:
+    for kern in names:
         line += f" | {kern} {res[kern]['ms']*1e3:.0f} us ({res[kern]['speedup_vs_torch_unfused']:.2f}x)"
     print(line, flush=True)
     return res
@@ -251,7 +261,8 @@ def main(argv=None) -> int:
     result = {"kernels": kernels, "compute_capability": list(cc)}
     path = None
     parts = [("matmul", lambda: bench_matmul(kernels, GPT2_SHAPES + SQUARE_SHAPES)),
-             ("fused_bias_gelu", lambda: bench_fused([k for k in kernels if k != "ws"])),  # ws: no activation
+             # ws runs GELU only through ws.gelu_forward, which bench_fused adds where it can run
+             ("fused_bias_gelu", lambda: bench_fused([k for k in kernels if k != "ws"])),
              ("triton_linear_fwd_bwd", bench_linear)]
     for name, run in parts:
         if name.split("_")[0] in skip or name in skip:
