@@ -439,9 +439,9 @@ class GPT(nn.Module):
         ``layers="mlp"`` keeps every nn.Linear and runs each MLP through
         ``mpgpt.kernels.mlp.gelu_mlp``: c_fc's product on the warp-specialised kernel with GELU in
         its epilogue, everything else (the backward pass included) as torch ops; on GPUs other
-        than sm_90 all of it runs as torch ops. The new layers share the very same Parameter objects, so an optimizer built before
-        the swap keeps working and the state_dict keys do not change. enable=False swaps back
-        (every form). Returns self.
+        than sm_90 all of it runs as torch ops. The new layers share the very same Parameter
+        objects, so an optimizer built before the swap keeps working and the state_dict keys do
+        not change. enable=False swaps back (every form). Returns self.
         """
         if layers not in ("all", "gelu", "mlp"):
             raise ValueError(f"layers must be 'all', 'gelu' (only mlp.c_fc) or 'mlp' (the fused MLP), got {layers!r}")

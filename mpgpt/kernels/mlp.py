@@ -18,8 +18,8 @@ GELU's backward stays out of the matmul on purpose. Fused into the epilogue of d
 llm.c does), with the bias gradient's column sums, it made that product take 183.6 us on the H200
 against 93.3 us without it: no faster than the product followed by the separate passes (185.7
 us). In this kernel the epilogue runs while the tensor cores wait, and gelu' costs about fifteen
-fp32 operations per element (benchmarks/NOTES-train.md has the measurements). The memory kept for the backward pass is what
-the unfused module keeps: x, Z and Y.
+fp32 operations per element (benchmarks/NOTES-train.md has the measurements). The memory kept
+for the backward pass is what the unfused module keeps: x, Z and Y.
 
 Where the Gluon kernel cannot run (no sm_90, no Gluon, odd alignment) the custom operator computes
 the same thing with torch ops, so the module works everywhere and its autograd is tested on the

@@ -33,8 +33,8 @@ Scope, checked by `ws_eligible`: sm_90 exactly (Blackwell has no wgmma), bf16/fp
 layout (A (M, K) with unit column stride, B = w.t() for a row-major weight w (N, K)), optional
 bias, no activation, C row-major; every base address and row pitch 16-byte aligned.
 `gelu_forward` runs the same kernel with a GELU epilogue (EPILOGUE=1: Z = A w^T + bias and
-gelu(Z), both stored) for the MLP's first product (kernels/mlp.py); `gelu_eligible` says where. Everything
-else goes to the TMA kernel (tma.py) or the grouped kernel (grouped.py); `matmul.plan` decides,
+gelu(Z), both stored) for the MLP's first product (kernels/mlp.py); `gelu_eligible` says where.
+Everything else goes to the TMA kernel (tma.py) or the grouped kernel (grouped.py); `matmul.plan` decides,
 using `ws_eligible` and `ws_preferred`. Gluon kernels run only compiled (there is no interpreter
 for them); where Gluon is missing, WS_IMPORT_ERROR says why and nothing here is used.
 """
@@ -116,7 +116,8 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         """tanh(x) in one instruction, PTX tanh.approx.f32 (sm_75 and later; about 2^-11 relative
         error by the PTX ISA manual). In GELU, 0.5 z (1 + t), that allows an absolute error of
         about 2^-12 |z| where t is near -1 (z well below 0, where gelu(z) itself is near 0): at
-        z = -3 up to 7e-4, against gelu(-3) = -0.0036. The epilogue runs while the tensor cores wait, and the
+        z = -3 up to 7e-4, against gelu(-3) = -0.0036.
+        Why one instruction: the epilogue runs while the tensor cores wait, and the
         special-function unit, which evaluates exp, reciprocals and tanh, does 16 of them per
         clock and multiprocessor against 128 fused multiply-adds: one call instead of two (exp and
         a reciprocal, as epilogue.sigmoid_f32 has) is most of what GELU costs here."""
@@ -327,9 +328,9 @@ def _layouts7(dtype):
 
 def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None):
     """Launch c = a @ b (+ bias) on the warp-specialised kernel (the caller checked ws_eligible),
-    or with epilogue 1 (z = a @ b + bias, c = gelu(z)). Returns (the jitted kernel, the compiled kernel, grid, args, kwargs):
-    what launch.compiled_launch needs to repeat it, with the seven descriptors and the three
-    pointers first."""
+    or with epilogue 1 (z = a @ b + bias, c = gelu(z)). Returns (the jitted kernel, the compiled
+    kernel, grid, args, kwargs): what launch.compiled_launch needs to repeat it, with the seven
+    descriptors and the bias first."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     M, K = a.shape
     N = b.shape[1]
@@ -364,10 +365,10 @@ _GELU_LAUNCHES: dict = {}  # call signature -> CompiledLaunch (the lean path, as
 
 
 def gelu_eligible(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether gelu_forward(a, w, ...) can run here: this kernel on this
-    GPU (sm_90, compiled), bf16/fp16 operands of one dtype, a (M, K) and w (N, K) addressable
-    by TMA, no dimension below 16, and M * N below 2^31 (the epilogue's pointer offsets are
-    32-bit)."""
+    """Whether gelu_forward(a, w, ...) can run here: this kernel on this GPU (sm_90, compiled),
+    bf16/fp16 operands of one dtype, a (M, K) and w (N, K) addressable by TMA, rows of the
+    (M, N) outputs a multiple of 16 bytes, no dimension below 16, and M * N below 2^31 (the
+    sizes tested)."""
     if WS_IMPORT_ERROR is not None or env.interpreting() or not a.is_cuda or env.capability(a.device) != (9, 0):
         return False
     if a.dtype not in (torch.bfloat16, torch.float16) or w.dtype != a.dtype or a.dim() != 2 or w.dim() != 2:
