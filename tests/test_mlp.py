@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from mpgpt.kernels import mlp, ws
 from mpgpt.model import GPT, GPTConfig
+from test_model import assert_same_loss_and_gradients
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 2e-2
@@ -134,17 +135,7 @@ def test_use_triton_mlp_keeps_the_parameters_and_the_gradients():
         assert type(block.attn.c_attn) is torch.nn.Linear and type(block.mlp.c_fc) is torch.nn.Linear
         assert isinstance(block.mlp.act, torch.nn.GELU) and block.mlp.fused is mlp.gelu_mlp
     assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == ids
-    idx = torch.randint(0, 65, (2, 16), device=DEVICE)
-    tgt = torch.randint(0, 65, (2, 16), device=DEVICE)
-    losses = []
-    for m in (ref, model):
-        _, loss = m(idx, tgt)
-        loss.backward()
-        losses.append(loss.float().item())
-    assert abs(losses[0] - losses[1]) < 1e-2 * losses[0]
-    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
-        rel = (a.grad.float() - b.grad.float()).norm() / a.grad.float().norm()
-        assert rel < 3e-2, f"{name}: relative gradient error {rel:.2e}"
+    assert_same_loss_and_gradients(ref, model, DEVICE)
     model.use_triton(enable=False)
     assert all(block.mlp.fused is None for block in model.transformer.h)
 

@@ -44,7 +44,7 @@ import torch
 
 from . import env
 from .env import TRITON_IMPORT_ERROR, triton
-from .launch import compiled_launch
+from .launch import compiled_launch, lean_launch_enabled
 
 WS_IMPORT_ERROR = TRITON_IMPORT_ERROR
 try:
@@ -378,11 +378,6 @@ def gelu_eligible(a: torch.Tensor, w: torch.Tensor) -> bool:
             and N * a.element_size() % 16 == 0)
 
 
-def _lean_enabled() -> bool:
-    from .launch import lean_launch_enabled
-    return lean_launch_enabled()
-
-
 def gelu_forward(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None):
     """(y, z) with z = a @ w.T + bias and y = gelu(z) (tanh approximation), both in a's dtype,
     from one launch: the epilogue writes z (GELU's backward needs it) and then y, computed from
@@ -398,12 +393,12 @@ def gelu_forward(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     z = torch.empty_like(y)
     key = (a.device.index, a.dtype, a.shape, a.stride(), w.shape, w.stride(), a.data_ptr() % 16, w.data_ptr() % 16,
            None if bias is None else (bias.dtype, bias.stride(), bias.data_ptr() % 16))
-    remembered = _GELU_LAUNCHES.get(key) if _lean_enabled() else None  # the switches, read at every call
+    remembered = _GELU_LAUNCHES.get(key) if lean_launch_enabled() else None  # the switches, read at every call
     if remembered is not None:
         remembered(a.device.index, *lean_descriptors(a, w.t(), y, z), bias if bias is not None else y)
         return y, z
     jit_fn, compiled, grid, args, kwargs = ws_launch(a, w.t(), y, bias, env.num_sms(a.device), epilogue=1, z=z)
-    if _lean_enabled():
+    if lean_launch_enabled():
         remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=8)
         if remembered is not None:
             _GELU_LAUNCHES[key] = remembered
