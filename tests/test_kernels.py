@@ -268,6 +268,33 @@ def test_gelu_backward_matches_float64(dtype, shape):
         kernels.gelu_backward(g, z[..., :1])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,config", [((300, 200), None), ((300, 200), (64, 16, 32, 1)), ((1, 5), None),
+                                          ((129, 64), (32, 32, 64, 1))])
+def test_gelu_backward_bias_matches_float64(dtype, shape, config):
+    """dZ as gelu_backward computes it, and the bias gradient: dZ summed over the rows. Shapes with
+    edges in both dimensions, and tile configurations that loop over several row blocks per
+    program and spread the rows over several programs."""
+    g, z = rand(*shape, dtype=dtype), (3 * torch.randn(*shape, device=DEVICE)).to(dtype)
+    ref = g.double() * gelu_tanh_grad(z).double()
+    dz, db = kernels.gelu_backward_bias(g, z, config=config)
+    assert dz.shape == g.shape and dz.dtype == dtype and db.shape == shape[1:] and db.dtype == torch.float32
+    assert rel_err(dz, ref) < {torch.float32: 1e-6}.get(dtype, TOL.get(dtype))
+    # db sums the unrounded fp32 dZ: fp32 evaluation and summation errors only, whatever dtype
+    # dZ is stored in. Summed over the wrong axis, or with a row block missed, it is off by ~1.
+    assert rel_err(db, ref.sum(0)) < 1e-5
+
+
+def test_gelu_backward_bias_errors():
+    g = rand(4, 6)
+    with pytest.raises(ValueError, match="same shape"):
+        kernels.gelu_backward_bias(g, g[:, :2])
+    with pytest.raises(ValueError, match="reshape to"):
+        kernels.gelu_backward_bias(g.view(2, 2, 6), g.view(2, 2, 6))
+    with pytest.raises(ValueError, match="multiple of BLOCK_M"):
+        kernels.gelu_backward_bias(g, g, config=(48, 32, 64, 1))
+
+
 @pytest.mark.parametrize("call,exc,match", [
     (lambda: matmul(torch.randn(4, 4), torch.randn(4, 4)), TypeError, "bfloat16 or float16"),
     (lambda: matmul(rand(4, 4), rand(4, 4, dtype=torch.float16)), TypeError, "same dtype"),
@@ -774,6 +801,16 @@ def test_gpu_split_k_and_gelu_backward():
     g, z = rand(12288, 3072), (3 * torch.randn(12288, 3072, device="cuda")).to(torch.bfloat16)
     ref = g.double() * gelu_tanh_grad(z).double()
     assert rel_err(kernels.gelu_backward(g, z), ref) < 1e-2
+    # With the bias gradient beside it, at GPT-2's shape and one with edges in both dimensions.
+    # Every element of dZ within bf16's rounding (2^-8 relative) of the float64 value, plus the
+    # fast reciprocal's error (2 ulp of fp32) carried through gelu' (|gelu'| < 1.2): a tile left
+    # unwritten or computed from the wrong rows fails it.
+    for M, N in [(12288, 3072), (1000, 200)]:
+        g, z = rand(M, N), (3 * torch.randn(M, N, device="cuda")).to(torch.bfloat16)
+        ref = g.double() * gelu_tanh_grad(z).double()
+        dz, db = kernels.gelu_backward_bias(g, z)
+        assert ((dz.double() - ref).abs() <= 2**-8 * ref.abs() + 1e-6 * g.double().abs()).all(), (M, N)
+        assert rel_err(db, ref.sum(0)) < 1e-5, (M, N)
 
 
 @pytest.mark.sm80

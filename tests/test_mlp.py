@@ -18,8 +18,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 
-from mpgpt.kernels import mlp, ws
+from mpgpt.kernels import env, mlp, ws
 from mpgpt.model import GPT, GPTConfig
 from test_model import assert_same_loss_and_gradients
 
@@ -51,8 +53,22 @@ def float64_reference(x, w_fc, b_fc, w_proj, b_proj, grad_out):
     return out.detach(), [t.grad if t is not None else None for t in leaves]
 
 
+@pytest.fixture(params=["torch", "triton"])
+def backward_path(request, monkeypatch):
+    """GELU's backward as torch ops or as the Triton pass (gelu.gelu_backward_bias). A GPU takes
+    the Triton pass by itself; on a CPU it is forced here, and runs in Triton's interpreter."""
+    if request.param == "triton":
+        if env.TRITON_IMPORT_ERROR is not None:
+            pytest.skip(env.TRITON_IMPORT_ERROR)
+        if DEVICE == "cpu":
+            monkeypatch.setattr(mlp, "_triton_backward", lambda t: True)
+    elif DEVICE == "cuda":
+        monkeypatch.setattr(mlp, "_triton_backward", lambda t: False)
+    return request.param
+
+
 @pytest.mark.parametrize("bias", [True, False])
-def test_the_fused_mlp_in_bf16_matches_float64(bias):
+def test_the_fused_mlp_in_bf16_matches_float64(bias, backward_path):
     torch.manual_seed(0)
     C, M = 64, 200 if DEVICE == "cpu" else 1000
     w_fc, b_fc, w_proj, b_proj = params(C, torch.bfloat16, bias)
@@ -142,7 +158,8 @@ def test_use_triton_mlp_keeps_the_parameters_and_the_gradients():
 
 def test_the_fused_mlp_compiles_into_one_graph():
     """torch.compile sees the fused product as one custom-operator node (mpgpt::gelu_linear) in a
-    single graph with no break, and the compiled forward and backward equal eager's."""
+    single graph with no break, GELU's backward as one node (mpgpt::gelu_backward_bias) of the
+    backward graph, and the compiled forward and backward equal eager's."""
     torch.manual_seed(5)
     w_fc, b_fc, w_proj, b_proj = params(16, torch.bfloat16)
     x = torch.randn(24, 16, device=DEVICE).to(torch.bfloat16).requires_grad_()
@@ -154,7 +171,14 @@ def test_the_fused_mlp_compiles_into_one_graph():
     assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
     code = "".join(m.code for m in explanation.graphs[0].modules() if hasattr(m, "code"))  # with the Function's bodies
     assert "mpgpt.gelu_linear" in code
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    backward_code = []
+
+    def keep_backward(gm, example_inputs):
+        backward_code.append(gm.code)
+        return make_boxed_func(gm)
+
+    compiled = torch.compile(step, fullgraph=True, backend=aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm),
+                                                                         bw_compiler=keep_backward))
     loss = compiled(x, w_fc, b_fc, w_proj, b_proj)
     loss.backward()
     grads = [t.grad.clone() for t in (x, w_fc, b_fc, w_proj, b_proj)]
@@ -163,6 +187,8 @@ def test_the_fused_mlp_compiles_into_one_graph():
     step(x, w_fc, b_fc, w_proj, b_proj).backward()
     for g, t in zip(grads, (x, w_fc, b_fc, w_proj, b_proj)):
         assert torch.equal(g, t.grad)  # the same operators on the same inputs
+    # ... and GELU's backward with the bias gradient is one node of the backward graph too
+    assert len(backward_code) == 1 and "mpgpt.gelu_backward_bias" in backward_code[0]
 
 
 def test_layers_must_be_named():

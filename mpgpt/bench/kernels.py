@@ -21,6 +21,8 @@ between runs so we do not time the cache):
    host time shows whenever it exceeds the GPU's, and recorded once as a CUDA graph and timed by
    replaying it, which leaves the GPU's time, as in a training step recorded whole
    (TrainConfig.cuda_graph).
+4. GELU's backward with the bias gradient summed beside it (the fused MLP's backward pass), at
+   12288 x 3072: torch's ops eager and compiled against `gelu_backward_bias` and its tile sizes.
 
 Prints a table and writes kernels_<gpu>_<date>.json into --out-dir (default: the current folder)
 with the GPU, driver, CUDA, torch and triton versions, the date, the command and the commit
@@ -39,7 +41,7 @@ from torch import nn
 
 from mpgpt.kernels import env as kenv
 from mpgpt.kernels import grouped, tma, ws
-from mpgpt.kernels.linear import TritonLinear
+from mpgpt.kernels.linear import TritonLinear, gelu_tanh_grad
 from mpgpt.kernels.matmul import matmul, plan
 from mpgpt.results import environment as base_environment
 from mpgpt.results import check_tag, write_result
@@ -187,6 +189,69 @@ def bench_fused(kernels, M=12288, K=768, N=3072):
     return res
 
 
+# Tile configurations (ROWS, BLOCK_M, BLOCK_N, num_warps) of gelu_backward_bias timed beside its default.
+GELU_BACKWARD_CONFIGS = [(128, 32, 128, 4), (256, 32, 128, 4), (512, 32, 128, 4), (256, 16, 128, 4),
+                         (256, 64, 128, 8), (256, 32, 256, 8), (256, 16, 256, 4), (512, 64, 64, 4),
+                         (192, 64, 128, 8)]
+
+
+def bench_gelu_backward(M=12288, N=3072):
+    """GELU's backward with c_fc's bias gradient (mlp.py's backward) at GPT-2's (tokens, 4C): torch's two
+    ops eager and compiled by Inductor (with and without its mix-order reduction, which chapter 7's
+    fastest rows turn off) against gelu_backward_bias at its default and other tile configurations;
+    and without a bias, Inductor's pointwise kernel against gelu_backward. Bytes: read dH and Z,
+    write dZ, 3 * M * N * 2 B, the floor at the copy bandwidth."""
+    import torch._inductor.config as inductor_config
+
+    from mpgpt.kernels import gelu
+
+    h = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    z = (3 * torch.randn(M, N, device="cuda")).to(torch.bfloat16)
+    ref = (h.double() * gelu_tanh_grad(z).double())
+    ref_db = ref.sum(0)
+
+    def torch_pair(h, z):
+        dz = torch.ops.aten.gelu_backward(h, z, approximate="tanh")
+        return dz, dz.sum(0, dtype=torch.float32)
+
+    def err(out):
+        return ((out.double() - ref).norm() / ref.norm()).item()
+
+    res = {"M": M, "N": N, "bytes": 3 * M * N * 2, "torch_eager_ms": _median_ms(lambda: torch_pair(h, z))}
+    for name, patch in (("torch_compiled_ms", {}), ("torch_compiled_no_mix_order_ms", {"triton.mix_order_reduction": False})):
+        torch._dynamo.reset()
+        with inductor_config.patch(patch):
+            fn = torch.compile(torch_pair)
+            dz, db = fn(h, z)
+            res[name] = _median_ms(lambda: fn(h, z))
+            res[name.replace("_ms", "_db_rel_err")] = ((db.double() - ref_db).norm() / ref_db.norm()).item()
+    torch._dynamo.reset()
+    res["configs"] = {}
+    for config in [None] + GELU_BACKWARD_CONFIGS:
+        dz, db = gelu.gelu_backward_bias(h, z, config=config)
+        ms = _median_ms(lambda: gelu.gelu_backward_bias(h, z, config=config))
+        key = "default " + str(gelu._BIAS_CONFIG) if config is None else str(config)
+        res["configs"][key] = {"ms": ms, "dz_rel_err": err(dz),
+                               "db_rel_err": ((db.double() - ref_db).norm() / ref_db.norm()).item()}
+    res["fused_ms"] = res["configs"]["default " + str(gelu._BIAS_CONFIG)]["ms"]
+    fn = torch.compile(lambda h, z: torch.ops.aten.gelu_backward(h, z, approximate="tanh"))
+    fn(h, z)
+    res["no_bias"] = {"torch_compiled_ms": _median_ms(lambda: fn(h, z)),
+                      "gelu_backward_ms": _median_ms(lambda: gelu.gelu_backward(h, z)),
+                      "gelu_backward_rel_err": err(gelu.gelu_backward(h, z))}
+    torch._dynamo.reset()
+    best = min(res["configs"].items(), key=lambda kv: kv[1]["ms"])
+    print(f"GELU backward + bias sum {M}x{N}: torch eager {res['torch_eager_ms']*1e3:.1f} us, compiled "
+          f"{res['torch_compiled_ms']*1e3:.1f} us (no mix-order {res['torch_compiled_no_mix_order_ms']*1e3:.1f}) | "
+          f"fused {res['fused_ms']*1e3:.1f} us ({res['bytes'] / res['fused_ms'] * 1e-9:.0f} GB/s); "
+          f"fastest config {best[0]} {best[1]['ms']*1e3:.1f} us | no bias: compiled "
+          f"{res['no_bias']['torch_compiled_ms']*1e3:.1f} us, gelu_backward {res['no_bias']['gelu_backward_ms']*1e3:.1f} us",
+          flush=True)
+    for key, row in res["configs"].items():
+        print(f"    {key:>26}: {row['ms']*1e3:6.1f} us  dz err {row['dz_rel_err']:.1e}  db err {row['db_rel_err']:.1e}")
+    return res
+
+
 def linear_case(M, fin, fout, act):
     """One layer comparison: (nn.Linear, + nn.GELU if act), a TritonLinear sharing its parameters,
     fp32 input x (M, fin) that needs a gradient, bf16 output gradient g (M, fout), and
@@ -237,7 +302,7 @@ def main(argv=None) -> int:
                         help="comma-separated: grouped, tma (Hopper only), ws (sm_90 only), auto")
     parser.add_argument("--tag", default=None, type=check_tag,
                         help="appended to the file name, so two runs on one day both stay")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: matmul, fused, triton (TritonLinear fwd+bwd)")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: matmul, fused, triton (TritonLinear fwd+bwd), gelu (GELU's backward)")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -263,7 +328,8 @@ def main(argv=None) -> int:
     parts = [("matmul", lambda: bench_matmul(kernels, GPT2_SHAPES + SQUARE_SHAPES)),
              # ws runs GELU only through ws.gelu_forward, which bench_fused adds where it can run
              ("fused_bias_gelu", lambda: bench_fused([k for k in kernels if k != "ws"])),
-             ("triton_linear_fwd_bwd", bench_linear)]
+             ("triton_linear_fwd_bwd", bench_linear),
+             ("gelu_backward", bench_gelu_backward)]
     for name, run in parts:
         if name.split("_")[0] in skip or name in skip:
             continue

@@ -155,6 +155,9 @@ TRAIN_CONFIGS = {
     "bf16+compile-nobias+fused-ce+optim16+triton-mlp+step-graph+no-mix-order": _config(
         "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
         optim16="fp32-master", triton="mlp"),
+    "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+step-graph+no-mix-order": _config(
+        "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
+        optim16="bf16-mantissa", triton="mlp"),
     "bf16+compile-nobias+fused-ce+optim16+step-graph+no-mix-order": _config(
         "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
         optim16="fp32-master"),

@@ -28,9 +28,10 @@ Triton (macOS, Windows) the entry points raise a RuntimeError that says why.
 """
 from . import env  # first: sets TRITON_INTERPRET if needed, before any kernel is decorated
 from .env import capability, check_device, interpreting, kernels_available
-from .gelu import gelu_backward
+from .gelu import gelu_backward, gelu_backward_bias
 from .linear import TritonLinear, gelu_tanh_grad, triton_linear
 from .matmul import ACTIVATIONS, KERNELS, Plan, matmul, plan
 
 __all__ = ["matmul", "plan", "Plan", "TritonLinear", "triton_linear", "kernels_available", "interpreting",
-           "check_device", "capability", "gelu_tanh_grad", "gelu_backward", "ACTIVATIONS", "KERNELS"]
+           "check_device", "capability", "gelu_tanh_grad", "gelu_backward",
+           "gelu_backward_bias", "ACTIVATIONS", "KERNELS"]

@@ -1,4 +1,5 @@
 """GELU's backward in one pass: dZ = dY * gelu'(Z), computed in fp32, stored in dY's dtype.
+With the layer's bias gradient summed beside it: db = sum over rows of dZ (`gelu_backward_bias`).
 
 TritonLinear's forward fuses GELU into the matmul's epilogue and keeps Z, the pre-activation.
 Its backward then needs dZ = dY * gelu'(Z) before the two gradient GEMMs. Written with torch ops
@@ -9,6 +10,21 @@ need. This kernel reads dY and Z once and writes dZ once: the memory floor of th
     v = 2 sqrt(2/pi) (z + 0.044715 z^3),   s = sigmoid(v)
     gelu(z)  = z * s                                        (the tanh approximation)
     gelu'(z) = s + z * s (1 - s) * 2 sqrt(2/pi) (1 + 3 * 0.044715 z^2)
+
+A bias b before the GELU (GPT-2's c_fc) also needs db = dZ summed over the rows. Written as
+`dz.sum(0)` that is a second pass, reading the whole dZ again: in the GPT-2 step on an H200,
+0.27 ms a step beside 0.75 ms for the GELU backward itself (benchmarks/NOTES-train.md).
+`gelu_backward_bias` sums each program's tile columns while the tile is still in registers, so
+dZ is read by nobody but the two GEMMs after it:
+
+    program (i, j): columns j*BLOCK_N ..+BLOCK_N, rows i*ROWS ..+ROWS, BLOCK_M rows at a time
+        dZ tile = dY tile * gelu'(Z tile)             stored (rounded once)
+        part[i, cols] += dZ tile summed over its rows  fp32, in registers
+    db = part.sum(0)                                   (M / ROWS, N) fp32 -> (N,): tiny
+
+The column sums add the fp32 dZ, before its rounding to dY's dtype, so db is at least as
+accurate as the unfused `dz.sum(0)` over the rounded dZ. Each program sums a fixed set of rows
+in a fixed order: the result is the same on every run (no atomics).
 """
 from __future__ import annotations
 
@@ -37,6 +53,71 @@ def _gelu_backward_kernel(
     s = sigmoid_f32(v)
     d = s + z * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * z * z)  # 3 * 0.044715
     tl.store(out_ptr + offs, (g * d).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gelu_backward_bias_kernel(
+    g_ptr,                  # dY, (M, N) row-major contiguous (bf16/fp16/fp32)
+    z_ptr,                  # Z, the saved pre-activation, (M, N) row-major contiguous
+    out_ptr,                # dZ, (M, N) row-major contiguous
+    part_ptr,               # (cdiv(M, ROWS), N) fp32: each program's column sums of dZ
+    M, N,                   # rows (tokens) and columns (features)
+    ROWS: tl.constexpr,     # rows per program, a multiple of BLOCK_M
+    BLOCK_M: tl.constexpr,  # rows per loop iteration
+    BLOCK_N: tl.constexpr,  # columns per program
+):
+    pid_n = tl.program_id(axis=0)
+    pid_r = tl.program_id(axis=1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                        # (BLOCK_N,)
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r in range(0, ROWS, BLOCK_M):
+        rows = pid_r * ROWS + r + tl.arange(0, BLOCK_M)                   # (BLOCK_M,)
+        mask = (rows < M)[:, None] & col_ok[None, :]                      # (BLOCK_M, BLOCK_N)
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]             # 64-bit: M * N may pass 2^31
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = 1.5957691216057308 * (z + 0.044715 * z * z * z)
+        s = sigmoid_f32(v)
+        dz = g * (s + z * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * z * z))
+        tl.store(out_ptr + offs, dz.to(out_ptr.dtype.element_ty), mask=mask)
+        acc += tl.sum(dz, axis=0)                                          # masked elements are 0
+    tl.store(part_ptr + pid_r * N + cols, acc, mask=col_ok)
+
+
+# (ROWS, BLOCK_M, BLOCK_N, num_warps) on a GPU; the interpreter runs one numpy op per tile, so there
+# large tiles keep the tests fast. GPU values from a sweep at GPT-2's (12288, 3072) on an H200
+# (benchmarks/NOTES-train.md).
+_BIAS_CONFIG = (256, 32, 128, 4)
+_INTERPRET_BIAS_CONFIG = (64, 64, 64, 1)
+
+
+def gelu_backward_bias(grad: torch.Tensor, z: torch.Tensor, config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dZ, db): dZ = grad * gelu'(z) as in `gelu_backward`, and db = dZ summed over the rows.
+
+    grad and z: the same (M, N) shape, on the same device. dZ: a new contiguous (M, N) tensor in
+    grad's dtype; db: (N,) fp32, the sum of the unrounded fp32 dZ. `config` (ROWS, BLOCK_M,
+    BLOCK_N, num_warps) overrides the tile sizes, for benchmarks."""
+    if grad.dim() != 2 or grad.shape != z.shape:
+        raise ValueError(f"grad and z must be (M, N) matrices of the same shape, got {tuple(grad.shape)} and "
+                         f"{tuple(z.shape)}; reshape to (tokens, features) first")
+    if grad.device != z.device:
+        raise ValueError(f"grad is on {grad.device} but z is on {z.device}")
+    env.check_device(grad)
+    g, zc = grad.contiguous(), z.contiguous()
+    M, N = g.shape
+    interpreted = env.interpreting()
+    rows, block_m, block_n, warps = config or (_INTERPRET_BIAS_CONFIG if interpreted else _BIAS_CONFIG)
+    if rows % block_m:
+        raise ValueError(f"config: ROWS={rows} must be a multiple of BLOCK_M={block_m}")
+    out = torch.empty(g.shape, dtype=torch.float32 if interpreted else g.dtype, device=g.device)
+    part = torch.empty((triton.cdiv(M, rows), N), dtype=torch.float32, device=g.device)
+    if M == 0 or N == 0:
+        return out.to(g.dtype), torch.zeros(N, dtype=torch.float32, device=g.device)
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, rows))
+    _gelu_backward_bias_kernel[grid](g, zc, out, part, M, N, ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n,
+                                     num_warps=warps)
+    return out.to(g.dtype), part.sum(0)
 
 
 def gelu_backward(grad: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
