@@ -20,7 +20,7 @@ dZ is read by nobody but the two GEMMs after it:
     program (i, j): columns j*BLOCK_N ..+BLOCK_N, rows i*ROWS ..+ROWS, BLOCK_M rows at a time
         dZ tile = dY tile * gelu'(Z tile)             stored (rounded once)
         part[i, cols] += dZ tile summed over its rows  fp32, in registers
-    db = part.sum(0)                                   (M / ROWS, N) fp32 -> (N,): tiny
+    db = part.sum(1)                                   (N, M / ROWS) fp32 -> (N,): tiny
 
 The column sums add the fp32 dZ, before its rounding to dY's dtype, so db is at least as
 accurate as the unfused `dz.sum(0)` over the rounded dZ. Each program sums a fixed set of rows
@@ -60,8 +60,8 @@ def _gelu_backward_bias_kernel(
     g_ptr,                  # dY, (M, N) row-major contiguous (bf16/fp16/fp32)
     z_ptr,                  # Z, the saved pre-activation, (M, N) row-major contiguous
     out_ptr,                # dZ, (M, N) row-major contiguous
-    part_ptr,               # (cdiv(M, ROWS), N) fp32: each program's column sums of dZ
-    M, N,                   # rows (tokens) and columns (features)
+    part_ptr,               # (N, R) fp32: column n's sum over row group r at n * R + r
+    M, N, R,                # rows (tokens), columns (features), row groups (cdiv(M, ROWS))
     ROWS: tl.constexpr,     # rows per program, a multiple of BLOCK_M
     BLOCK_M: tl.constexpr,  # rows per loop iteration
     BLOCK_N: tl.constexpr,  # columns per program
@@ -70,7 +70,9 @@ def _gelu_backward_bias_kernel(
     pid_r = tl.program_id(axis=1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                        # (BLOCK_N,)
     col_ok = cols < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # Summed element by element across iterations and over the rows only once at the end: a sum
+    # over rows inside the loop would make the warps exchange partial sums every iteration.
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r in range(0, ROWS, BLOCK_M):
         rows = pid_r * ROWS + r + tl.arange(0, BLOCK_M)                   # (BLOCK_M,)
         mask = (rows < M)[:, None] & col_ok[None, :]                      # (BLOCK_M, BLOCK_N)
@@ -81,14 +83,14 @@ def _gelu_backward_bias_kernel(
         s = sigmoid_f32(v)
         dz = g * (s + z * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * z * z))
         tl.store(out_ptr + offs, dz.to(out_ptr.dtype.element_ty), mask=mask)
-        acc += tl.sum(dz, axis=0)                                          # masked elements are 0
-    tl.store(part_ptr + pid_r * N + cols, acc, mask=col_ok)
+        acc += dz                                                           # masked elements are 0
+    tl.store(part_ptr + cols * R + pid_r, tl.sum(acc, axis=0), mask=col_ok)
 
 
 # (ROWS, BLOCK_M, BLOCK_N, num_warps) on a GPU; the interpreter runs one numpy op per tile, so there
 # large tiles keep the tests fast. GPU values from a sweep at GPT-2's (12288, 3072) on an H200
 # (benchmarks/NOTES-train.md).
-_BIAS_CONFIG = (256, 32, 128, 4)
+_BIAS_CONFIG = (128, 32, 128, 4)
 _INTERPRET_BIAS_CONFIG = (64, 64, 64, 1)
 
 
@@ -111,13 +113,15 @@ def gelu_backward_bias(grad: torch.Tensor, z: torch.Tensor, config=None) -> tupl
     if rows % block_m:
         raise ValueError(f"config: ROWS={rows} must be a multiple of BLOCK_M={block_m}")
     out = torch.empty(g.shape, dtype=torch.float32 if interpreted else g.dtype, device=g.device)
-    part = torch.empty((triton.cdiv(M, rows), N), dtype=torch.float32, device=g.device)
+    R = triton.cdiv(M, rows)
+    # (N, R): each column's partial sums side by side, so the last sum runs along contiguous memory
+    part = torch.empty((N, R), dtype=torch.float32, device=g.device)
     if M == 0 or N == 0:
         return out.to(g.dtype), torch.zeros(N, dtype=torch.float32, device=g.device)
-    grid = (triton.cdiv(N, block_n), triton.cdiv(M, rows))
-    _gelu_backward_bias_kernel[grid](g, zc, out, part, M, N, ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n,
+    grid = (triton.cdiv(N, block_n), R)
+    _gelu_backward_bias_kernel[grid](g, zc, out, part, M, N, R, ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n,
                                      num_warps=warps)
-    return out.to(g.dtype), part.sum(0)
+    return out.to(g.dtype), part.sum(1)
 
 
 def gelu_backward(grad: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
