@@ -276,7 +276,9 @@ def test_gelu_backward_bias_matches_float64(dtype, shape, config):
     edges in both dimensions, and tile configurations that loop over several row blocks per
     program and spread the rows over several programs."""
     g, z = rand(*shape, dtype=dtype), (3 * torch.randn(*shape, device=DEVICE)).to(dtype)
-    ref = g.double() * gelu_tanh_grad(z).double()
+    z64 = z.double().requires_grad_()
+    F.gelu(z64, approximate="tanh").backward(g.double())
+    ref = z64.grad  # float64 throughout
     dz, db = kernels.gelu_backward_bias(g, z, config=config)
     assert dz.shape == g.shape and dz.dtype == dtype and db.shape == shape[1:] and db.dtype == torch.float32
     assert rel_err(dz, ref) < {torch.float32: 1e-6}.get(dtype, TOL.get(dtype))
@@ -293,6 +295,18 @@ def test_gelu_backward_bias_errors():
         kernels.gelu_backward_bias(g.view(2, 2, 6), g.view(2, 2, 6))
     with pytest.raises(ValueError, match="multiple of BLOCK_M"):
         kernels.gelu_backward_bias(g, g, config=(48, 32, 64, 1))
+    with pytest.raises(ValueError, match="powers of two"):
+        kernels.gelu_backward_bias(g, g, config=(48, 48, 64, 1))
+
+
+def test_gelu_backward_bias_edge_inputs():
+    """No rows (db is zeros, not garbage), and a non-contiguous grad: the same result as its copy."""
+    dz, db = kernels.gelu_backward_bias(rand(0, 7), rand(0, 7))
+    assert dz.shape == (0, 7) and torch.equal(db, torch.zeros(7, device=DEVICE))
+    g, z = rand(9, 40).t(), rand(40, 9)
+    dz, db = kernels.gelu_backward_bias(g, z)
+    dz_c, db_c = kernels.gelu_backward_bias(g.contiguous(), z)
+    assert torch.equal(dz, dz_c) and torch.equal(db, db_c)
 
 
 @pytest.mark.parametrize("call,exc,match", [

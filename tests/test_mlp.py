@@ -57,14 +57,21 @@ def float64_reference(x, w_fc, b_fc, w_proj, b_proj, grad_out):
 def backward_path(request, monkeypatch):
     """GELU's backward as torch ops or as the Triton pass (gelu.gelu_backward_bias). A GPU takes
     the Triton pass by itself; on a CPU it is forced here, and runs in Triton's interpreter."""
+    calls = []
     if request.param == "triton":
         if env.TRITON_IMPORT_ERROR is not None:
             pytest.skip(env.TRITON_IMPORT_ERROR)
         if DEVICE == "cpu":
             monkeypatch.setattr(mlp, "_triton_backward", lambda t: True)
+        elif not mlp._triton_backward(torch.empty(1, device=DEVICE, dtype=torch.bfloat16)):
+            pytest.skip("bf16 Triton kernels need compute capability >= 8.0")
+        for name in ("gelu_backward_bias", "gelu_backward"):  # count the kernel calls: the path must be taken
+            kernel = getattr(mlp.gelu, name)
+            monkeypatch.setattr(mlp.gelu, name, lambda *a, _k=kernel, **kw: calls.append(a) or _k(*a, **kw))
     elif DEVICE == "cuda":
         monkeypatch.setattr(mlp, "_triton_backward", lambda t: False)
-    return request.param
+    yield request.param
+    assert bool(calls) == (request.param == "triton")
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -86,7 +93,7 @@ def test_the_fused_mlp_in_bf16_matches_float64(bias, backward_path):
         assert rel_err(t.grad, ref) < TOL, f"{name}: {rel_err(t.grad, ref):.2e}"
 
 
-def test_under_autocast_fp32_parameters_get_fp32_gradients():
+def test_under_autocast_fp32_parameters_get_fp32_gradients(backward_path):
     """An fp32 model under bf16 autocast (the course's default GPU setting): the products run in
     bf16, the gradients come back in the parameters' and the input's own dtype, fp32."""
     torch.manual_seed(1)

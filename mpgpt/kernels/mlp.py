@@ -80,7 +80,8 @@ def gelu_backward_impl(h: Tensor, z: Tensor, with_bias: bool) -> tuple[Tensor, T
     if _triton_backward(h):
         if with_bias:
             return gelu.gelu_backward_bias(h, z)
-        return gelu.gelu_backward(h, z), h.new_empty(0, dtype=torch.float32)
+        if h.numel() < 2**31:  # gelu_backward's offsets are 32-bit
+            return gelu.gelu_backward(h, z), h.new_empty(0, dtype=torch.float32)
     dz = torch.ops.aten.gelu_backward(h, z, approximate="tanh")  # what nn.GELU's backward does
     return dz, dz.sum(0, dtype=torch.float32) if with_bias else h.new_empty(0, dtype=torch.float32)
 
