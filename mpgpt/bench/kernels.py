@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpgpt.kernels import env as kenv
-from mpgpt.kernels import grouped, tma, ws
+from mpgpt.kernels import gelu, grouped, tma, ws
 from mpgpt.kernels.linear import TritonLinear, gelu_tanh_grad
 from mpgpt.kernels.matmul import matmul, plan
 from mpgpt.results import environment as base_environment
@@ -201,8 +201,6 @@ def bench_gelu_backward(M=12288, N=3072):
     and without a bias, Inductor's pointwise kernel against gelu_backward. Bytes: read dH and Z,
     write dZ, 3 * M * N * 2 B, the floor at the copy bandwidth."""
     import torch._inductor.config as inductor_config
-
-    from mpgpt.kernels import gelu
 
     h = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     z = (3 * torch.randn(M, N, device="cuda")).to(torch.bfloat16)
