@@ -41,6 +41,14 @@ _BLOCK = 1024  # elements per program (the interpreter uses the same: one progra
 
 
 @triton.jit
+def gelu_grad_f32(z):
+    """gelu'(z) in fp32 (the module docstring's formula); both kernels below call it."""
+    v = 1.5957691216057308 * (z + 0.044715 * z * z * z)  # 2 sqrt(2/pi) (z + 0.044715 z^3)
+    s = sigmoid_f32(v)
+    return s + z * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * z * z)  # 3 * 0.044715
+
+
+@triton.jit
 def _gelu_backward_kernel(
     g_ptr,                  # dY, flat, n elements (bf16/fp16/fp32)
     z_ptr,                  # Z, the saved pre-activation, flat, n elements
@@ -52,10 +60,7 @@ def _gelu_backward_kernel(
     mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    v = 1.5957691216057308 * (z + 0.044715 * z * z * z)  # 2 sqrt(2/pi) (z + 0.044715 z^3)
-    s = sigmoid_f32(v)
-    d = s + z * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * z * z)  # 3 * 0.044715
-    tl.store(out_ptr + offs, (g * d).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, (g * gelu_grad_f32(z)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -82,9 +87,7 @@ def _gelu_backward_bias_kernel(
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]             # 64-bit: M * N may pass 2^31
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        v = 1.5957691216057308 * (z + 0.044715 * z * z * z)
-        s = sigmoid_f32(v)
-        dz = g * (s + z * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * z * z))
+        dz = g * gelu_grad_f32(z)
         tl.store(out_ptr + offs, dz.to(out_ptr.dtype.element_ty), mask=mask)
         acc += dz                                                           # masked elements are 0
     tl.store(part_ptr + cols * R + pid_r, tl.sum(acc, axis=0), mask=col_ok)
