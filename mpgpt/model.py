@@ -137,6 +137,9 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
+        # GPT.use_triton(layers="mlp+qkv") sets this to mpgpt.kernels.qkv.qkv_heads: c_attn and the
+        # head split below, with the backward's head merge and bias gradient in one pass.
+        self.fused_qkv = None
         # Lower-triangular mask for the "math" path. Not persistent: it is derived from
         # block_size, so state_dicts do not depend on which attention path was used.
         mask = torch.tril(torch.ones(config.block_size, config.block_size, dtype=torch.bool))
@@ -144,12 +147,15 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape  # batch, sequence length, channels (n_embd)
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
-        # Split channels into heads and move the head dimension next to the batch.
-        hs = C // self.n_head
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        if self.fused_qkv is not None:
+            q, k, v = self.fused_qkv(x, self.c_attn.weight, self.c_attn.bias, self.n_head)  # 3 x (B, nh, T, hs)
+        else:
+            q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
+            # Split channels into heads and move the head dimension next to the batch.
+            hs = C // self.n_head
+            q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+            k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+            v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
 
         if self.attention != "math":
             # One fused kernel (flash / memory-efficient attention where available). "cudnn" puts
@@ -438,20 +444,26 @@ class GPT(nn.Module):
         whose epilogue saves a pass (the GELU), and leaves the other matmuls to cuBLAS.
         ``layers="mlp"`` keeps every nn.Linear and runs each MLP through
         ``mpgpt.kernels.mlp.gelu_mlp``: c_fc's product on the warp-specialised kernel with GELU in
-        its epilogue, everything else (the backward pass included) as torch ops; on GPUs other
-        than sm_90 all of it runs as torch ops. The new layers share the very same Parameter
+        its epilogue, GELU's backward and c_fc's bias gradient in one Triton pass, the other
+        products cuBLAS; on GPUs other than sm_90 the product runs as torch ops.
+        ``layers="mlp+qkv"`` adds ``mpgpt.kernels.qkv.qkv_heads`` to each attention layer: c_attn
+        as before, with its backward's head merge and bias gradient in one Triton pass. The new layers share the very same Parameter
         objects, so an optimizer built before the swap keeps working and the state_dict keys do
         not change. enable=False swaps back (every form). Returns self.
         """
-        if layers not in ("all", "gelu", "mlp"):
-            raise ValueError(f"layers must be 'all', 'gelu' (only mlp.c_fc) or 'mlp' (the fused MLP), got {layers!r}")
+        if layers not in ("all", "gelu", "mlp", "mlp+qkv"):
+            raise ValueError(f"layers must be 'all', 'gelu' (only mlp.c_fc), 'mlp' (the fused MLP) or 'mlp+qkv' "
+                             f"(and the fused attention input), got {layers!r}")
         from mpgpt.kernels import TritonLinear  # imported here: Triton is optional for chapters 1-5
         from mpgpt.kernels.mlp import gelu_mlp
+        from mpgpt.kernels.qkv import qkv_heads
 
+        fused = enable and layers.startswith("mlp")
         for block in self.transformer.h:
             attn, mlp = block.attn, block.mlp
-            mlp.fused = gelu_mlp if enable and layers == "mlp" else None
-            if enable and layers != "mlp":
+            mlp.fused = gelu_mlp if fused else None
+            attn.fused_qkv = qkv_heads if enable and layers == "mlp+qkv" else None
+            if enable and not fused:
                 plain = ((attn, "c_attn"), (attn, "c_proj"), (mlp, "c_proj")) if layers == "all" else ()
                 for parent, name in plain:
                     layer = getattr(parent, name)
@@ -460,7 +472,7 @@ class GPT(nn.Module):
                 if not isinstance(mlp.c_fc, TritonLinear):
                     mlp.c_fc = TritonLinear.from_linear(mlp.c_fc, activation="gelu")
                     mlp.act = nn.Identity()  # the GELU now runs inside c_fc's kernel
-            else:  # back to nn.Linear: for enable=False, and for layers="mlp", which keeps every nn.Linear
+            else:  # back to nn.Linear: for enable=False, and for the fused forms, which keep every nn.Linear
                 for parent, name in ((attn, "c_attn"), (attn, "c_proj"), (mlp, "c_proj"), (mlp, "c_fc")):
                     layer = getattr(parent, name)
                     if isinstance(layer, TritonLinear):

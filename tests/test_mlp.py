@@ -199,7 +199,7 @@ def test_the_fused_mlp_compiles_into_one_graph():
 
 
 def test_layers_must_be_named():
-    with pytest.raises(ValueError, match="'all', 'gelu' .* or 'mlp'"):
+    with pytest.raises(ValueError, match="'all', 'gelu' .*'mlp' .* or 'mlp\\+qkv'"):
         small_model(torch.float32).use_triton(layers="attention")
 
 

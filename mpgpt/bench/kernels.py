@@ -23,6 +23,9 @@ between runs so we do not time the cache):
    (TrainConfig.cuda_graph).
 4. GELU's backward with the bias gradient summed beside it (the fused MLP's backward pass), at
    12288 x 3072: torch's ops eager and compiled against `gelu_backward_bias` and its tile sizes.
+5. The attention's input gradients merged into c_attn's (tokens, 3C) gradient with its bias
+   gradient summed beside it (qkv.py's backward), on the gradients SDPA's backward returns at
+   GPT-2's shape: torch's ops eager and compiled against `merge_heads_bias` and its tile sizes.
 
 Prints a table and writes kernels_<gpu>_<date>.json into --out-dir (default: the current folder)
 with the GPU, driver, CUDA, torch and triton versions, the date, the command and the commit
@@ -40,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpgpt.kernels import env as kenv
-from mpgpt.kernels import gelu, grouped, tma, ws
+from mpgpt.kernels import gelu, grouped, heads, tma, ws
 from mpgpt.kernels.linear import TritonLinear, gelu_tanh_grad
 from mpgpt.kernels.matmul import matmul, plan
 from mpgpt.results import environment as base_environment
@@ -249,6 +252,58 @@ def bench_gelu_backward(M=12288, N=3072):
     return res
 
 
+# Tile configurations (ROWS, BLOCK_M, BLOCK_N, num_warps) of merge_heads_bias timed beside its default.
+MERGE_HEADS_CONFIGS = [(64, 64, 64, 4), (256, 64, 64, 4), (128, 32, 64, 4), (64, 32, 64, 2), (128, 64, 64, 8)]
+
+
+def bench_merge_heads(B=12, T=1024, n_head=12, hs=64):
+    """c_attn's gradient from the attention's dq, dk, dv, with its bias gradient (qkv.py's backward),
+    at GPT-2's shape: torch's concatenation and column sum, eager and compiled by Inductor (with and
+    without its mix-order reduction), against merge_heads_bias at its default and other tile
+    configurations. The inputs are SDPA's own gradients, in the layout its backward kernel returns.
+    Bytes: read dq, dk, dv and write d_qkv, 2 * 3 * B*T * C * 2 B, the floor at the copy bandwidth."""
+    import torch._inductor.config as inductor_config
+
+    C = n_head * hs
+    q, k, v = torch.randn(B, T, 3, n_head, hs, device="cuda", dtype=torch.bfloat16).unbind(2)  # as the model splits
+    q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))  # (B, nh, T, hs) views
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    dq, dk, dv = torch.autograd.grad(y, (q, k, v), torch.randn_like(y))  # as the kernel returns them
+    ref, _ = heads.merge_heads_reference(dq, dk, dv)
+    ref_db = ref.double().sum(0)
+
+    def db_err(db):
+        return ((db.double() - ref_db).norm() / ref_db.norm()).item()
+
+    res = {"B": B, "T": T, "n_head": n_head, "head_size": hs, "grad_strides": list(dq.stride()),
+           "bytes": 2 * 3 * B * T * C * 2,
+           "torch_eager_ms": _median_ms(lambda: heads.merge_heads_reference(dq, dk, dv))}
+    for name, patch in (("torch_compiled_ms", {}), ("torch_compiled_no_mix_order_ms", {"triton.mix_order_reduction": False})):
+        torch._dynamo.reset()
+        with inductor_config.patch(patch):
+            fn = torch.compile(heads.merge_heads_reference)
+            d_qkv, db = fn(dq, dk, dv)
+            res[name] = _median_ms(lambda: fn(dq, dk, dv))
+            res[name.replace("_ms", "_db_rel_err")] = db_err(db)
+    torch._dynamo.reset()
+    res["configs"] = {}
+    for config in [None] + MERGE_HEADS_CONFIGS:
+        d_qkv, db = heads.merge_heads_bias(dq, dk, dv, config=config)
+        ms = _median_ms(lambda: heads.merge_heads_bias(dq, dk, dv, config=config))
+        key = "default " + str(heads._CONFIG) if config is None else str(config)
+        res["configs"][key] = {"ms": ms, "exact": bool(torch.equal(d_qkv, ref)), "db_rel_err": db_err(db)}
+    res["fused_ms"] = res["configs"]["default " + str(heads._CONFIG)]["ms"]
+    best = min(res["configs"].items(), key=lambda kv: kv[1]["ms"])
+    print(f"merge heads + bias sum {B * T}x{3 * C} (grad strides {res['grad_strides']}): torch eager "
+          f"{res['torch_eager_ms']*1e3:.1f} us, compiled {res['torch_compiled_ms']*1e3:.1f} us (no mix-order "
+          f"{res['torch_compiled_no_mix_order_ms']*1e3:.1f}) | fused {res['fused_ms']*1e3:.1f} us "
+          f"({res['bytes'] / res['fused_ms'] * 1e-9:.2f} TB/s); fastest config {best[0]} {best[1]['ms']*1e3:.1f} us",
+          flush=True)
+    for key, row in res["configs"].items():
+        print(f"    {key:>26}: {row['ms']*1e3:6.1f} us  exact {row['exact']}  db err {row['db_rel_err']:.1e}")
+    return res
+
+
 def linear_case(M, fin, fout, act):
     """One layer comparison: (nn.Linear, + nn.GELU if act), a TritonLinear sharing its parameters,
     fp32 input x (M, fin) that needs a gradient, bf16 output gradient g (M, fout), and
@@ -299,7 +354,8 @@ def main(argv=None) -> int:
                         help="comma-separated: grouped, tma (Hopper only), ws (sm_90 only), auto")
     parser.add_argument("--tag", default=None, type=check_tag,
                         help="appended to the file name, so two runs on one day both stay")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: matmul, fused, triton (TritonLinear fwd+bwd), gelu (GELU's backward)")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: matmul, fused, triton (TritonLinear fwd+bwd), gelu (GELU's backward), "
+                        "merge (the attention gradients' head merge)")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -326,7 +382,8 @@ def main(argv=None) -> int:
              # ws runs GELU only through ws.gelu_forward, which bench_fused adds where it can run
              ("fused_bias_gelu", lambda: bench_fused([k for k in kernels if k != "ws"])),
              ("triton_linear_fwd_bwd", bench_linear),
-             ("gelu_backward", bench_gelu_backward)]
+             ("gelu_backward", bench_gelu_backward),
+             ("merge_heads", bench_merge_heads)]
     for name, run in parts:
         if name.split("_")[0] in skip or name in skip:
             continue

@@ -152,6 +152,13 @@ TRAIN_CONFIGS = {
     "bf16+compile+fused-ce+optim16-mantissa+triton-mlp+step-graph+no-mix-order": _config(
         "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="bf16-mantissa",
         triton="mlp"),
+    # ... and each attention layer's c_attn with its backward's head merge and bias gradient in one pass (qkv.py).
+    "bf16+compile+fused-ce+optim16+triton-mlp-qkv+step-graph+no-mix-order": _config(
+        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="fp32-master",
+        triton="mlp+qkv"),
+    "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+step-graph+no-mix-order": _config(
+        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="bf16-mantissa",
+        triton="mlp+qkv"),
     "bf16+compile-nobias+fused-ce+optim16+triton-mlp+step-graph+no-mix-order": _config(
         "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
         optim16="fp32-master", triton="mlp"),

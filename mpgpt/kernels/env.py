@@ -207,3 +207,12 @@ def check_device(t: torch.Tensor) -> None:
             f"Triton's matrix instructions need compute capability >= 7.0; {name} is "
             f"sm_{cc[0]}{cc[1]}. Use torch.nn.Linear"
         )
+
+
+def runs_compiled(t: torch.Tensor) -> bool:
+    """Whether an optional Triton pass should run on `t`: a compiled kernel on a GPU that Triton
+    supports in t's dtype (bf16 needs sm_80). The modules that take an optional pass (mlp.py,
+    qkv.py) run torch's ops otherwise: on a CPU the interpreter would be correct but slow."""
+    if TRITON_IMPORT_ERROR is not None or interpreting() or not t.is_cuda:
+        return False
+    return capability(t.device) >= ((8, 0) if t.dtype == torch.bfloat16 else (7, 0))

@@ -65,13 +65,8 @@ def _(x2, w, bias):
     return y, torch.empty_like(y)
 
 
-def _triton_backward(t: Tensor) -> bool:
-    """Whether GELU's backward runs as the Triton pass here: a compiled kernel on a GPU that
-    Triton supports in t's dtype (bf16 needs sm_80). The CPU takes the torch ops instead of
-    the interpreter, which would be correct but slow."""
-    if env.TRITON_IMPORT_ERROR is not None or env.interpreting() or not t.is_cuda:
-        return False
-    return env.capability(t.device) >= ((8, 0) if t.dtype == torch.bfloat16 else (7, 0))
+# Whether GELU's backward runs as the Triton pass (a module-level name, so tests can switch it).
+_triton_backward = env.runs_compiled
 
 
 def gelu_backward_impl(h: Tensor, z: Tensor, with_bias: bool) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,119 @@
+"""The attention's input gradients merged back into c_attn's layout, with c_attn's bias gradient
+summed in the same pass (`merge_heads_bias`).
+
+The attention layer splits c_attn's output into heads: qkv (B, T, 3C) -> q, k, v, each viewed
+as (B, nh, T, hs). The attention kernel's backward returns dq, dk, dv in its own layout, and
+autograd then needs two things from them before c_attn's two gradient GEMMs:
+
+    d_qkv = [dq | dk | dv] as a (B*T, 3C) matrix     a copy that undoes the head split
+    db    = d_qkv summed over its rows               c_attn's bias gradient, (3C,)
+
+Under torch.compile these are two passes: a copy kernel, then a column reduction that reads
+d_qkv again. In the GPT-2 step on an H200 that is 26.3 + 14.1 us per block, 0.49 ms a step
+(benchmarks/NOTES-train.md). This kernel does both in one pass, as `gelu.gelu_backward_bias` does
+for c_fc: each program copies a (ROWS, BLOCK_N) strip of one source, BLOCK_M rows at a time, and
+keeps an element-wise fp32 sum of what it copied:
+
+    program (j, i) of the launch for source s (q, k or v):
+        columns j*BLOCK_N ..+BLOCK_N of s (head h = col // hs, lane d = col % hs)
+        rows i*ROWS ..+ROWS (token r = b*T + t), BLOCK_M at a time:
+            tile = s[b, h, t, d]                           any strides
+            d_qkv[r, s*C + col] = tile                     row-major (B*T, 3C)
+            acc += tile                                    (BLOCK_M, BLOCK_N) fp32
+    part[s*C + col, i] = acc summed over its rows       once, after the loop
+    db = part.sum(1)                                    (3C, R) fp32 -> (3C,)
+
+Three launches, one per source, write disjoint columns of the same d_qkv and the same table of
+partial sums. The copy is exact; db sums the copied values in fp32 in a fixed order, the same on
+every run.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import env
+from .env import tl, triton
+
+
+@triton.jit
+def _merge_heads_sum_kernel(
+    src_ptr,                # one of dq, dk, dv: (B, nh, T, hs), any strides
+    out_ptr,                # d_qkv, (B*T, OUT_N) row-major contiguous
+    part_ptr,               # (OUT_N, R) fp32: column n's sum over row group r at n * R + r
+    M, T, C, HS, R, OUT_N,  # rows B*T, sequence length, this source's columns nh*hs, head size, row groups
+    col0,                   # where this source's columns start in d_qkv (0, C or 2C)
+    s_b, s_h, s_t, s_d,     # the source's strides, in elements
+    ROWS: tl.constexpr,     # rows per program, a multiple of BLOCK_M
+    BLOCK_M: tl.constexpr,  # rows per loop iteration
+    BLOCK_N: tl.constexpr,  # columns per program
+):
+    pid_n = tl.program_id(axis=0)
+    pid_r = tl.program_id(axis=1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                          # (BLOCK_N,) within C
+    col_ok = cols < C
+    src_col = (cols // HS).to(tl.int64) * s_h + (cols % HS).to(tl.int64) * s_d  # head, lane
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r in range(0, ROWS, BLOCK_M):
+        rows = pid_r * ROWS + r + tl.arange(0, BLOCK_M)                     # (BLOCK_M,) tokens
+        mask = (rows < M)[:, None] & col_ok[None, :]                        # (BLOCK_M, BLOCK_N)
+        src_row = (rows // T).to(tl.int64) * s_b + (rows % T).to(tl.int64) * s_t  # batch, position
+        x = tl.load(src_ptr + src_row[:, None] + src_col[None, :], mask=mask, other=0.0)
+        out_offs = rows.to(tl.int64)[:, None] * OUT_N + (col0 + cols)[None, :]  # 64-bit: M * 3C may pass 2^31
+        tl.store(out_ptr + out_offs, x, mask=mask)
+        acc += x.to(tl.float32)                                              # masked elements are 0
+    tl.store(part_ptr + (col0 + cols) * R + pid_r, tl.sum(acc, axis=0), mask=col_ok)
+
+
+# (ROWS, BLOCK_M, BLOCK_N, num_warps) on a GPU; the interpreter runs one numpy op per tile, so there
+# large tiles keep the tests fast. BLOCK_N = 64 keeps a strip inside one head of GPT-2's (hs = 64),
+# so each row of a tile is one contiguous 128-byte read.
+_CONFIG = (128, 64, 64, 4)
+_INTERPRET_CONFIG = (64, 64, 64, 1)
+
+
+def merge_heads_bias(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                     config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_qkv, db) from the attention's input gradients, as the module docstring says.
+
+    dq, dk, dv: (B, nh, T, hs) each, the same shape, dtype and device, any strides. d_qkv: a new
+    contiguous (B*T, 3*nh*hs) tensor in their dtype, [dq | dk | dv] with heads side by side in each;
+    db: (3*nh*hs,) fp32, d_qkv's column sums. `config` (ROWS, BLOCK_M, BLOCK_N, num_warps)
+    overrides the tile sizes, for benchmarks."""
+    if dq.dim() != 4 or dk.shape != dq.shape or dv.shape != dq.shape:
+        raise ValueError(f"dq, dk and dv must be (B, nh, T, hs) tensors of one shape, got {tuple(dq.shape)}, "
+                         f"{tuple(dk.shape)} and {tuple(dv.shape)}")
+    if dk.dtype != dq.dtype or dv.dtype != dq.dtype or dk.device != dq.device or dv.device != dq.device:
+        raise ValueError(f"dq, dk and dv must share one dtype and device, got {dq.dtype}/{dq.device}, "
+                         f"{dk.dtype}/{dk.device} and {dv.dtype}/{dv.device}")
+    env.check_device(dq)
+    B, nh, T, hs = dq.shape
+    M, C = B * T, nh * hs
+    rows, block_m, block_n, warps = config or (_INTERPRET_CONFIG if env.interpreting() else _CONFIG)
+    if any(b < 1 or b & (b - 1) for b in (block_m, block_n)) or rows % block_m:
+        raise ValueError(f"config: BLOCK_M={block_m} and BLOCK_N={block_n} must be powers of two and ROWS={rows} "
+                         "a multiple of BLOCK_M")
+    out = torch.empty((M, 3 * C), dtype=dq.dtype, device=dq.device)
+    if M == 0 or C == 0:
+        return out, torch.zeros(3 * C, dtype=torch.float32, device=dq.device)
+    if dq.dtype == torch.bfloat16 and env.interpreting():
+        # The interpreter keeps bf16 as raw 16-bit integers: a copy survives that, a sum does not.
+        d_qkv, db = merge_heads_bias(dq.float(), dk.float(), dv.float(), config)
+        return d_qkv.to(dq.dtype), db
+    R = triton.cdiv(M, rows)
+    part = torch.empty((3 * C, R), dtype=torch.float32, device=dq.device)  # column-major partial sums
+    grid = (triton.cdiv(C, block_n), R)
+    for s, src in enumerate((dq, dk, dv)):
+        _merge_heads_sum_kernel[grid](src, out, part, M, T, C, hs, R, 3 * C, s * C, *src.stride(),
+                                      ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    return out, part.sum(1)
+
+
+def merge_heads_reference(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                          with_bias: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same two results with torch ops: what autograd computes for the unfused attention
+    layer (the bias sum here in fp32, from the same rounded values). db is an empty tensor
+    without ``with_bias``."""
+    B, nh, T, hs = dq.shape
+    d_qkv = torch.cat([t.transpose(1, 2).reshape(B * T, nh * hs) for t in (dq, dk, dv)], dim=1)  # (B*T, 3C)
+    db = d_qkv.sum(0, dtype=torch.float32) if with_bias else d_qkv.new_empty(0, dtype=torch.float32)
+    return d_qkv, db
