@@ -11,16 +11,16 @@ autograd then needs two things from them before c_attn's two gradient GEMMs:
 Under torch.compile these are two passes: a copy kernel, then a column reduction that reads
 d_qkv again. In the GPT-2 step on an H200 that is 26.3 + 14.1 us per block, 0.49 ms a step
 (benchmarks/NOTES-train.md). This kernel does both in one pass, as `gelu.gelu_backward_bias` does
-for c_fc: each program copies a (ROWS, BLOCK_N) strip of one source, BLOCK_M rows at a time, and
-keeps an element-wise fp32 sum of what it copied:
+for c_fc: each program copies a (ROWS, hs) strip, one head of one source, BLOCK_M rows at a
+time, and keeps an element-wise fp32 sum of what it copied:
 
-    program (j, i) of the launch for source s (q, k or v):
-        columns j*BLOCK_N ..+BLOCK_N of s (head h = col // hs, lane d = col % hs)
+    program (h, i) of the launch for source s (q, k or v):
+        head h: columns h*hs ..+hs of s, lanes d
         rows i*ROWS ..+ROWS (token r = b*T + t), BLOCK_M at a time:
             tile = s[b, h, t, d]                           any strides
-            d_qkv[r, s*C + col] = tile                     row-major (B*T, 3C)
-            acc += tile                                    (BLOCK_M, BLOCK_N) fp32
-    part[s*C + col, i] = acc summed over its rows       once, after the loop
+            d_qkv[r, s*C + h*hs + d] = tile                row-major (B*T, 3C)
+            acc += tile                                    (BLOCK_M, hs) fp32
+    part[s*C + h*hs + d, i] = acc summed over rows      once, after the loop
     db = part.sum(1)                                    (3C, R) fp32 -> (3C,)
 
 Three launches, one per source, write disjoint columns of the same d_qkv and the same table of
@@ -40,35 +40,37 @@ def _merge_heads_sum_kernel(
     src_ptr,                # one of dq, dk, dv: (B, nh, T, hs), any strides
     out_ptr,                # d_qkv, (B*T, OUT_N) row-major contiguous
     part_ptr,               # (OUT_N, R) fp32: column n's sum over row group r at n * R + r
-    M, T, C, HS, R, OUT_N,  # rows B*T, sequence length, this source's columns nh*hs, head size, row groups
+    M, T, HS, R, OUT_N,     # rows B*T, sequence length, head size, row groups, d_qkv's columns
     col0,                   # where this source's columns start in d_qkv (0, C or 2C)
     s_b, s_h, s_t, s_d,     # the source's strides, in elements
     ROWS: tl.constexpr,     # rows per program, a multiple of BLOCK_M
     BLOCK_M: tl.constexpr,  # rows per loop iteration
-    BLOCK_N: tl.constexpr,  # columns per program
+    BLOCK_D: tl.constexpr,  # a power of two >= HS: one program covers one whole head
 ):
-    pid_n = tl.program_id(axis=0)
+    h = tl.program_id(axis=0)
     pid_r = tl.program_id(axis=1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                          # (BLOCK_N,) within C
-    col_ok = cols < C
-    src_col = (cols // HS).to(tl.int64) * s_h + (cols % HS).to(tl.int64) * s_d  # head, lane
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    d = tl.arange(0, BLOCK_D)                                               # (BLOCK_D,) lanes of head h
+    d_ok = d < HS
+    # One head per program: the column offsets are a scalar plus d * s_d, and Triton compiles
+    # s_d == 1 as a constant, so each row of a tile can be one contiguous, vectorised read and
+    # write (offsets built from col // HS and col % HS would hide that from the compiler).
+    src_col = h.to(tl.int64) * s_h + d * s_d
+    out_col = col0 + h * HS + d                                             # (BLOCK_D,) in d_qkv
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for r in range(0, ROWS, BLOCK_M):
-        rows = pid_r * ROWS + r + tl.arange(0, BLOCK_M)                     # (BLOCK_M,) tokens
-        mask = (rows < M)[:, None] & col_ok[None, :]                        # (BLOCK_M, BLOCK_N)
-        src_row = (rows // T).to(tl.int64) * s_b + (rows % T).to(tl.int64) * s_t  # batch, position
+        rows = pid_r * ROWS + r + tl.arange(0, BLOCK_M)                     # (BLOCK_M,) tokens b*T + t
+        mask = (rows < M)[:, None] & d_ok[None, :]                          # (BLOCK_M, BLOCK_D)
+        src_row = (rows // T).to(tl.int64) * s_b + (rows % T).to(tl.int64) * s_t
         x = tl.load(src_ptr + src_row[:, None] + src_col[None, :], mask=mask, other=0.0)
-        out_offs = rows.to(tl.int64)[:, None] * OUT_N + (col0 + cols)[None, :]  # 64-bit: M * 3C may pass 2^31
-        tl.store(out_ptr + out_offs, x, mask=mask)
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * OUT_N + out_col[None, :], x, mask=mask)  # 64-bit offsets
         acc += x.to(tl.float32)                                              # masked elements are 0
-    tl.store(part_ptr + (col0 + cols) * R + pid_r, tl.sum(acc, axis=0), mask=col_ok)
+    tl.store(part_ptr + out_col * R + pid_r, tl.sum(acc, axis=0), mask=d_ok)
 
 
-# (ROWS, BLOCK_M, BLOCK_N, num_warps) on a GPU; the interpreter runs one numpy op per tile, so there
-# large tiles keep the tests fast. BLOCK_N = 64 keeps a strip inside one head of GPT-2's (hs = 64),
-# so each row of a tile is one contiguous 128-byte read.
-_CONFIG = (128, 64, 64, 4)
-_INTERPRET_CONFIG = (64, 64, 64, 1)
+# (ROWS, BLOCK_M, num_warps) on a GPU; the interpreter runs one numpy op per tile, so there large
+# tiles keep the tests fast.
+_CONFIG = (128, 32, 4)
+_INTERPRET_CONFIG = (64, 64, 1)
 
 
 def merge_heads_bias(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
@@ -77,8 +79,8 @@ def merge_heads_bias(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
 
     dq, dk, dv: (B, nh, T, hs) each, the same shape, dtype and device, any strides. d_qkv: a new
     contiguous (B*T, 3*nh*hs) tensor in their dtype, [dq | dk | dv] with heads side by side in each;
-    db: (3*nh*hs,) fp32, d_qkv's column sums. `config` (ROWS, BLOCK_M, BLOCK_N, num_warps)
-    overrides the tile sizes, for benchmarks."""
+    db: (3*nh*hs,) fp32, d_qkv's column sums. `config` (ROWS, BLOCK_M, num_warps) overrides the
+    tile sizes, for benchmarks."""
     if dq.dim() != 4 or dk.shape != dq.shape or dv.shape != dq.shape:
         raise ValueError(f"dq, dk and dv must be (B, nh, T, hs) tensors of one shape, got {tuple(dq.shape)}, "
                          f"{tuple(dk.shape)} and {tuple(dv.shape)}")
@@ -88,10 +90,9 @@ def merge_heads_bias(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
     env.check_device(dq)
     B, nh, T, hs = dq.shape
     M, C = B * T, nh * hs
-    rows, block_m, block_n, warps = config or (_INTERPRET_CONFIG if env.interpreting() else _CONFIG)
-    if any(b < 1 or b & (b - 1) for b in (block_m, block_n)) or rows % block_m:
-        raise ValueError(f"config: BLOCK_M={block_m} and BLOCK_N={block_n} must be powers of two and ROWS={rows} "
-                         "a multiple of BLOCK_M")
+    rows, block_m, warps = config or (_INTERPRET_CONFIG if env.interpreting() else _CONFIG)
+    if block_m < 1 or block_m & (block_m - 1) or rows % block_m:
+        raise ValueError(f"config: BLOCK_M={block_m} must be a power of two and ROWS={rows} a multiple of it")
     out = torch.empty((M, 3 * C), dtype=dq.dtype, device=dq.device)
     if M == 0 or C == 0:
         return out, torch.zeros(3 * C, dtype=torch.float32, device=dq.device)
@@ -101,10 +102,11 @@ def merge_heads_bias(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
         return d_qkv.to(dq.dtype), db
     R = triton.cdiv(M, rows)
     part = torch.empty((3 * C, R), dtype=torch.float32, device=dq.device)  # column-major partial sums
-    grid = (triton.cdiv(C, block_n), R)
+    grid = (nh, R)
     for s, src in enumerate((dq, dk, dv)):
-        _merge_heads_sum_kernel[grid](src, out, part, M, T, C, hs, R, 3 * C, s * C, *src.stride(),
-                                      ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        _merge_heads_sum_kernel[grid](src, out, part, M, T, hs, R, 3 * C, s * C, *src.stride(),
+                                      ROWS=rows, BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(hs),
+                                      num_warps=warps)
     return out, part.sum(1)
 
 
