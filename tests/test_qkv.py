@@ -42,19 +42,20 @@ def rel_err(out, ref):
 
 
 def grads(B, nh, T, hs, dtype, layout):
-    """Fresh random dq, dk, dv of shape (B, nh, T, hs): "bhtd" contiguous each, or "btd" as views
-    of one (B, T, 3, nh, hs) buffer (the strides of the forward's head split)."""
-    if layout == "bhtd":
-        return [torch.randn(B, nh, T, hs, device=DEVICE).to(dtype) for _ in range(3)]
+    """Fresh random dq, dk, dv of shape (B, nh, T, hs): "bhtd" contiguous each, "btd" as views of
+    one (B, T, 3, nh, hs) buffer (the strides of the forward's head split), or "mixed": dq
+    contiguous, dk and dv such views (three sets of strides)."""
+    contiguous = [torch.randn(B, nh, T, hs, device=DEVICE).to(dtype) for _ in range(3)]
     base = torch.randn(B, T, 3, nh, hs, device=DEVICE).to(dtype)
-    return [base[:, :, i].transpose(1, 2) for i in range(3)]
+    views = [base[:, :, i].transpose(1, 2) for i in range(3)]
+    return {"bhtd": contiguous, "btd": views, "mixed": contiguous[:1] + views[1:]}[layout]
 
 
 # ----------------------------------------------------------------------------------------------
 # The kernel
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("layout", ["bhtd", "btd"])
+@pytest.mark.parametrize("layout", ["bhtd", "btd", "mixed"])
 @pytest.mark.parametrize("shape,config", [((2, 3, 37, 16), None), ((2, 3, 37, 16), (32, 16, 1)),
                                           ((1, 4, 5, 12), (8, 8, 1)), ((3, 2, 50, 64), (64, 32, 1))])
 def test_merge_heads_bias_copies_exactly_and_sums_in_fp32(dtype, layout, shape, config):

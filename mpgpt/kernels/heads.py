@@ -14,8 +14,8 @@ d_qkv again. In the GPT-2 step on an H200 that is 26.3 + 14.1 us per block, 0.49
 for c_fc: each program copies a (ROWS, hs) strip, one head of one source, BLOCK_M rows at a
 time, and keeps an element-wise fp32 sum of what it copied:
 
-    program (h, i) of the launch for source s (q, k or v):
-        head h: columns h*hs ..+hs of s, lanes d
+    program (s*nh + h, i), for source s (q, k or v) and head h:
+        columns h*hs ..+hs of s, lanes d
         rows i*ROWS ..+ROWS (token r = b*T + t), BLOCK_M at a time:
             tile = s[b, h, t, d]                           any strides
             d_qkv[r, s*C + h*hs + d] = tile                row-major (B*T, 3C)
@@ -23,8 +23,8 @@ time, and keeps an element-wise fp32 sum of what it copied:
     part[s*C + h*hs + d, i] = acc summed over rows      once, after the loop
     db = part.sum(1)                                    (3C, R) fp32 -> (3C,)
 
-Three launches, one per source, write disjoint columns of the same d_qkv and the same table of
-partial sums. The copy is exact; db sums the copied values in fp32 in a fixed order, the same on
+One launch covers all three sources (three launches, one per source, took 47.2 us on the H200,
+against 49.0 us for Inductor's pair). The copy is exact; db sums the copied values in fp32 in a fixed order, the same on
 every run.
 """
 from __future__ import annotations
@@ -37,32 +37,39 @@ from .env import tl, triton
 
 @triton.jit
 def _merge_heads_sum_kernel(
-    src_ptr,                # one of dq, dk, dv: (B, nh, T, hs), any strides
-    out_ptr,                # d_qkv, (B*T, OUT_N) row-major contiguous
-    part_ptr,               # (OUT_N, R) fp32: column n's sum over row group r at n * R + r
-    M, T, HS, R, OUT_N,     # rows B*T, sequence length, head size, row groups, d_qkv's columns
-    col0,                   # where this source's columns start in d_qkv (0, C or 2C)
-    s_b, s_h, s_t, s_d,     # the source's strides, in elements
+    q_ptr, k_ptr, v_ptr,    # dq, dk, dv: (B, nh, T, hs) each, with the same strides
+    out_ptr,                # d_qkv, (B*T, 3C) row-major contiguous
+    part_ptr,               # (3C, R) fp32: column n's sum over row group r at n * R + r
+    M, T, HS, NH, R,        # rows B*T, sequence length, head size, heads, row groups
+    s_b, s_h, s_t, s_d,     # the sources' strides, in elements
     ROWS: tl.constexpr,     # rows per program, a multiple of BLOCK_M
     BLOCK_M: tl.constexpr,  # rows per loop iteration
     BLOCK_D: tl.constexpr,  # a power of two >= HS: one program covers one whole head
 ):
-    h = tl.program_id(axis=0)
+    pid = tl.program_id(axis=0)                                             # source * NH + head
     pid_r = tl.program_id(axis=1)
+    s, h = pid // NH, pid % NH
+    if s == 0:
+        src_ptr = q_ptr
+    elif s == 1:
+        src_ptr = k_ptr
+    else:
+        src_ptr = v_ptr
     d = tl.arange(0, BLOCK_D)                                               # (BLOCK_D,) lanes of head h
     d_ok = d < HS
     # One head per program: the column offsets are a scalar plus d * s_d, and Triton compiles
-    # s_d == 1 as a constant, so each row of a tile can be one contiguous, vectorised read and
-    # write (offsets built from col // HS and col % HS would hide that from the compiler).
+    # s_d == 1 as a constant, so each row of a tile is one contiguous, vectorised read and write
+    # (16-byte accesses in the compiled code).
     src_col = h.to(tl.int64) * s_h + d * s_d
-    out_col = col0 + h * HS + d                                             # (BLOCK_D,) in d_qkv
+    out_col = (s * NH + h) * HS + d                                         # (BLOCK_D,) in d_qkv
+    out_n = 3 * NH * HS
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for r in range(0, ROWS, BLOCK_M):
         rows = pid_r * ROWS + r + tl.arange(0, BLOCK_M)                     # (BLOCK_M,) tokens b*T + t
         mask = (rows < M)[:, None] & d_ok[None, :]                          # (BLOCK_M, BLOCK_D)
         src_row = (rows // T).to(tl.int64) * s_b + (rows % T).to(tl.int64) * s_t
         x = tl.load(src_ptr + src_row[:, None] + src_col[None, :], mask=mask, other=0.0)
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * OUT_N + out_col[None, :], x, mask=mask)  # 64-bit offsets
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_n + out_col[None, :], x, mask=mask)  # 64-bit offsets
         acc += x.to(tl.float32)                                              # masked elements are 0
     tl.store(part_ptr + out_col * R + pid_r, tl.sum(acc, axis=0), mask=d_ok)
 
@@ -100,13 +107,12 @@ def merge_heads_bias(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
         # The interpreter keeps bf16 as raw 16-bit integers: a copy survives that, a sum does not.
         d_qkv, db = merge_heads_bias(dq.float(), dk.float(), dv.float(), config)
         return d_qkv.to(dq.dtype), db
+    if not dq.stride() == dk.stride() == dv.stride():  # one launch reads all three with one set of strides
+        dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
     R = triton.cdiv(M, rows)
     part = torch.empty((3 * C, R), dtype=torch.float32, device=dq.device)  # column-major partial sums
-    grid = (nh, R)
-    for s, src in enumerate((dq, dk, dv)):
-        _merge_heads_sum_kernel[grid](src, out, part, M, T, hs, R, 3 * C, s * C, *src.stride(),
-                                      ROWS=rows, BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(hs),
-                                      num_warps=warps)
+    _merge_heads_sum_kernel[(3 * nh, R)](dq, dk, dv, out, part, M, T, hs, nh, R, *dq.stride(), ROWS=rows,
+                                         BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(hs), num_warps=warps)
     return out, part.sum(1)
 
 
