@@ -248,6 +248,7 @@ class GPT(nn.Module):
         self.activation_checkpointing = False
         self.loss_chunk_rows = 0  # 0: full logits; see set_chunked_loss
         self.fused_loss = None  # the fused Triton loss function when on; see set_fused_loss
+        self.fused_layer_norm = None  # residual add + LayerNorm with a one-pass backward; see set_fused_layer_norm
 
         # GPT-2 / nanoGPT initialisation: N(0, 0.02) for weights, zeros for biases...
         self.apply(self._init_weights)
@@ -281,13 +282,17 @@ class GPT(nn.Module):
         tok_emb = self.transformer.wte(idx)  # (B, T, C)
         pos_emb = self.transformer.wpe(pos)  # (T, C), broadcast over the batch
         x = self.transformer.drop(tok_emb + pos_emb)  # (B, T, C)
-        for block in self.transformer.h:
-            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                # Keep only each block's input; recompute its insides during backward.
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)  # (B, T, C)
-            else:
-                x = block(x)  # (B, T, C)
-        x = self.transformer.ln_f(x)  # (B, T, C)
+        checkpointing = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        if self.fused_layer_norm is not None and not checkpointing:
+            x = self._blocks_with_fused_layer_norm(x)  # ln_f(blocks(x)): (B, T, C)
+        else:
+            for block in self.transformer.h:
+                if checkpointing:
+                    # Keep only each block's input; recompute its insides during backward.
+                    x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)  # (B, T, C)
+                else:
+                    x = block(x)  # (B, T, C)
+            x = self.transformer.ln_f(x)  # (B, T, C)
         if targets is not None and (self.loss_chunk_rows or self.fused_loss is not None):
             if targets.shape != idx.shape:
                 raise ValueError(f"targets shape {tuple(targets.shape)} must match idx shape {tuple(idx.shape)}")
@@ -307,6 +312,19 @@ class GPT(nn.Module):
                 logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1
             )  # mean over the B*T positions
         return logits, loss
+
+    def _blocks_with_fused_layer_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """ln_f(blocks(x)), the same sums as Block.forward, regrouped so that each residual add
+        meets the LayerNorm that reads its result (the next block's ln_1, or ln_f after the last
+        block): one `mpgpt.kernels.layernorm.residual_layer_norm` per pair."""
+        add_ln = self.fused_layer_norm
+        blocks = self.transformer.h
+        y = add_ln(x, None, blocks[0].ln_1)  # (B, T, C)
+        for i, block in enumerate(blocks):
+            x, y = add_ln(x, block.attn(y), block.ln_2)  # x + attn(ln_1(x)), and its ln_2
+            after = blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.transformer.ln_f
+            x, y = add_ln(x, block.mlp(y), after)  # x + mlp(ln_2(x)), and the next LayerNorm of it
+        return y
 
     def _check_idx(self, idx) -> None:
         if not isinstance(idx, torch.Tensor):
@@ -431,6 +449,28 @@ class GPT(nn.Module):
 
         self.fused_loss = fused_linear_cross_entropy
         self.loss_chunk_rows = 0
+        return self
+
+    def set_fused_layer_norm(self, enable: bool = True) -> "GPT":
+        """Run each residual add with the LayerNorm after it through
+        ``mpgpt.kernels.layernorm.residual_layer_norm``: the same forward pass (torch ops, which
+        torch.compile fuses), and LayerNorm's backward in one Triton pass on a GPU, its weight and
+        bias gradients summed beside the input gradient. On a CPU the backward runs as torch ops.
+        Activation checkpointing, when on, takes the unfused blocks. Raises a RuntimeError at
+        once where Triton is not installed. Returns self."""
+        if not enable:
+            self.fused_layer_norm = None
+            return self
+        from mpgpt.kernels import env  # imported here: Triton is optional for chapters 1-5
+
+        if env.TRITON_IMPORT_ERROR is not None:
+            raise RuntimeError("set_fused_layer_norm needs Triton, which is not installed here (it ships for Linux "
+                               "only); leave it off")
+        if not all(ln.elementwise_affine for ln in self.modules() if isinstance(ln, nn.LayerNorm)):
+            raise ValueError("set_fused_layer_norm needs LayerNorms with a weight (elementwise_affine=True)")
+        from mpgpt.kernels.layernorm import residual_layer_norm
+
+        self.fused_layer_norm = residual_layer_norm
         return self
 
     # ------------------------------------------------------------------------------ chapter 6

@@ -26,6 +26,9 @@ between runs so we do not time the cache):
 5. The attention's input gradients merged into c_attn's (tokens, 3C) gradient with its bias
    gradient summed beside it (qkv.py's backward), on the gradients SDPA's backward returns at
    GPT-2's shape: torch's ops eager and compiled against `merge_heads_bias` and its tile sizes.
+6. LayerNorm's backward with the residual stream's gradient added and the weight and bias
+   gradients (layernorm.py's backward) at 12288 x 768: Inductor's kernels for the same formulas
+   against `layer_norm_backward` and its tile sizes.
 
 Prints a table and writes kernels_<gpu>_<date>.json into --out-dir (default: the current folder)
 with the GPU, driver, CUDA, torch and triton versions, the date, the command and the commit
@@ -43,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpgpt.kernels import env as kenv
-from mpgpt.kernels import gelu, grouped, heads, tma, ws
+from mpgpt.kernels import gelu, grouped, heads, layernorm, tma, ws
 from mpgpt.kernels.linear import TritonLinear, gelu_tanh_grad
 from mpgpt.kernels.matmul import matmul, plan
 from mpgpt.results import environment as base_environment
@@ -309,6 +312,64 @@ def bench_merge_heads(B=12, T=1024, n_head=12, hs=64):
     return res
 
 
+# Tile configurations (ROWS, BLOCK_M, num_warps) of layer_norm_backward timed beside its default.
+LAYER_NORM_CONFIGS = [(16, 4, 8), (64, 4, 8), (32, 8, 8), (32, 2, 4), (64, 8, 16), (128, 4, 8)]
+
+
+def bench_layer_norm_backward(M=12288, C=768):
+    """LayerNorm's backward as the fused residual add + LayerNorm needs it (layernorm.py), at GPT-2's
+    (tokens, C) in bf16: dx' = dx'_res + LayerNorm's input gradient, and the weight and bias
+    gradients. Inductor compiles torch's formulas for it (with and without its mix-order reduction)
+    against layer_norm_backward at its default and other tile configurations, each timed as a
+    replayed CUDA graph (and by do_bench as `call_ms`). Bytes: read dy, x', dx'_res and write dx',
+    4 * M * C * 2 B, the floor at the copy bandwidth."""
+    import torch._inductor.config as inductor_config
+
+    x = torch.randn(M, C, device="cuda").bfloat16()
+    dy, dres = torch.randn(M, C, device="cuda").bfloat16(), torch.randn(M, C, device="cuda").bfloat16()
+    w, b = (1 + 0.1 * torch.randn(C, device="cuda")).bfloat16(), (0.1 * torch.randn(C, device="cuda")).bfloat16()
+    var, mean = torch.var_mean(x.float(), dim=1, correction=0)
+    rstd = torch.rsqrt(var + 1e-5)
+    ref = [t.double() for t in layernorm.layer_norm_backward_reference(dy, x, mean, rstd, w, dres)]
+
+    def errs(out):
+        return [((o.double() - r).norm() / r.norm()).item() for o, r in zip(out, ref)]
+
+    def torch_ln_backward(dy, x, mean, rstd, w, b, dres):  # what the unfused model's backward computes
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(dy.float(), x.float(), [C], mean[:, None], rstd[:, None],
+                                                               w.float(), b.float(), [True, True, True])
+        return dx.to(x.dtype) + dres, dw, db
+
+    args = (dy, x, mean, rstd, w, b, dres)
+    res = {"M": M, "C": C, "bytes": 4 * M * C * 2}
+    for name, patch in (("torch_compiled_ms", {}), ("torch_compiled_no_mix_order_ms", {"triton.mix_order_reduction": False})):
+        torch._dynamo.reset()
+        with inductor_config.patch(patch):
+            fn = torch.compile(torch_ln_backward)
+            out = fn(*args)
+            res[name] = _graph_ms(lambda: fn(*args))
+            res[name.replace("_ms", "_rel_err")] = errs(out)
+    torch._dynamo.reset()
+    res["configs"] = {}
+    for config in [None] + LAYER_NORM_CONFIGS:
+        out = layernorm.layer_norm_backward(dy, x, mean, rstd, w, dres, config=config)
+        key = "default " + str(layernorm._CONFIG) if config is None else str(config)
+        res["configs"][key] = {"ms": _graph_ms(lambda: layernorm.layer_norm_backward(dy, x, mean, rstd, w, dres, config=config)),
+                               "call_ms": _median_ms(lambda: layernorm.layer_norm_backward(dy, x, mean, rstd, w, dres,
+                                                                                           config=config)),
+                               "rel_err_dx_dw_db": errs(out)}
+    res["fused_ms"] = res["configs"]["default " + str(layernorm._CONFIG)]["ms"]
+    best = min(res["configs"].items(), key=lambda kv: kv[1]["ms"])
+    print(f"LayerNorm backward + residual {M}x{C}, graph replay: compiled {res['torch_compiled_ms']*1e3:.1f} us "
+          f"(no mix-order {res['torch_compiled_no_mix_order_ms']*1e3:.1f}) | fused {res['fused_ms']*1e3:.1f} us "
+          f"({res['bytes'] / res['fused_ms'] * 1e-9:.2f} TB/s); fastest config {best[0]} {best[1]['ms']*1e3:.1f} us",
+          flush=True)
+    for key, row in res["configs"].items():
+        print(f"    {key:>26}: {row['ms']*1e3:6.1f} us (do_bench {row['call_ms']*1e3:6.1f} us)  errors "
+              + " ".join(f"{e:.1e}" for e in row["rel_err_dx_dw_db"]))
+    return res
+
+
 def linear_case(M, fin, fout, act):
     """One layer comparison: (nn.Linear, + nn.GELU if act), a TritonLinear sharing its parameters,
     fp32 input x (M, fin) that needs a gradient, bf16 output gradient g (M, fout), and
@@ -360,7 +421,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tag", default=None, type=check_tag,
                         help="appended to the file name, so two runs on one day both stay")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: matmul, fused, triton (TritonLinear fwd+bwd), gelu (GELU's backward), "
-                        "merge (the attention gradients' head merge)")
+                        "merge (the attention gradients' head merge), layer (LayerNorm's backward)")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -388,7 +449,8 @@ def main(argv=None) -> int:
              ("fused_bias_gelu", lambda: bench_fused([k for k in kernels if k != "ws"])),
              ("triton_linear_fwd_bwd", bench_linear),
              ("gelu_backward", bench_gelu_backward),
-             ("merge_heads", bench_merge_heads)]
+             ("merge_heads", bench_merge_heads),
+             ("layer_norm_backward", bench_layer_norm_backward)]
     for name, run in parts:
         if name.split("_")[0] in skip or name in skip:
             continue

@@ -44,9 +44,10 @@ REFERENCE_PEAK = PEAK_BF16["H200"]
 # inductor: torch._inductor.config settings in force while the configuration compiles and runs;
 # cuda_graph: the whole step recorded once and replayed (TrainConfig.cuda_graph, mpgpt.graph_step).
 # optim16: the model kept in bf16 and trained by the fused 16-bit AdamW (TrainConfig.optim16).
+# fused_ln: each residual add with its LayerNorm, the backward in one Triton pass (GPT.set_fused_layer_norm).
 def _config(precision, scaler="none", compile=None, triton=False, bias=True, checkpointing=False, chunked_loss=0,
             attention="sdpa", clip=True, fused_loss=False, fused_clip=False, inductor=None, cuda_graph=False,
-            optim16=None):
+            optim16=None, fused_ln=False):
     spec = dict(precision=precision, scaler=scaler, compile=compile, triton=triton, bias=bias,
                 checkpointing=checkpointing, chunked_loss=chunked_loss, attention=attention, clip=clip,
                 fused_loss=fused_loss)
@@ -58,6 +59,8 @@ def _config(precision, scaler="none", compile=None, triton=False, bias=True, che
         spec["cuda_graph"] = True
     if optim16:
         spec["optim16"] = optim16
+    if fused_ln:
+        spec["fused_ln"] = True
     return spec
 
 
@@ -159,6 +162,16 @@ TRAIN_CONFIGS = {
     "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+step-graph+no-mix-order": _config(
         "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="bf16-mantissa",
         triton="mlp+qkv"),
+    # ... and LayerNorm's backward in one pass with its weight and bias gradients (kernels/layernorm.py).
+    "bf16+compile+fused-ce+optim16-mantissa+triton-mlp+fused-ln+step-graph+no-mix-order": _config(
+        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="bf16-mantissa",
+        triton="mlp", fused_ln=True),
+    "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+step-graph+no-mix-order": _config(
+        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="bf16-mantissa",
+        triton="mlp+qkv", fused_ln=True),
+    "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+fused-ln+step-graph+no-mix-order": _config(
+        "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
+        optim16="bf16-mantissa", triton="mlp", fused_ln=True),
     "bf16+compile-nobias+fused-ce+optim16+triton-mlp+step-graph+no-mix-order": _config(
         "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
         optim16="fp32-master", triton="mlp"),
@@ -217,6 +230,8 @@ def make_trainer(name, preset="gpt2", batch_size=12, block_size=None, device=Non
         model.set_chunked_loss(spec["chunked_loss"])
     if spec["fused_loss"]:
         model.set_fused_loss(True)
+    if spec.get("fused_ln"):
+        model.set_fused_layer_norm(True)
     data = dataset if dataset is not None else SyntheticTokens(model.config.vocab_size, batch_size,
                                                                model.config.block_size, device)
     return Trainer(cfg, model=model, dataset=data)

@@ -1,0 +1,211 @@
+"""The residual add and the LayerNorm after it, with LayerNorm's backward in one Triton pass.
+
+Each block of the GPT adds a branch (attention's or the MLP's output) into the residual stream and
+normalises the sum for the next branch:
+
+    x' = x + branch                                 the residual stream, (M, C)
+    y  = (x' - mean) * rstd * w + b                 per row: mean, rstd = 1 / sqrt(var + eps)
+
+The backward pass gets dy (from the next branch's matmul) and dx'_res (the stream's gradient from
+later blocks) and needs, with xhat = (x' - mean) * rstd and g = dy * w,
+
+    dx' = dx'_res + rstd * (g - mean(g) - xhat * mean(g * xhat))     per row (a row reduction)
+    dw  = sum over rows of dy * xhat,   db = sum over rows of dy      per column (a column reduction)
+
+and dx' is the gradient of both x and the branch. Inductor compiles the row part and the column
+part as two kernels that each read dy and x' (or, with its "mix-order" reduction, as one kernel
+whose many partial sums then take 50 separate reductions a step; benchmarks/NOTES-train.md).
+`layer_norm_backward` does both in one pass, as `gelu.gelu_backward_bias` does for c_fc: each
+program takes ROWS rows, BLOCK_M at a time, whole rows wide, writes dx' and keeps element-wise
+fp32 sums of dy * xhat and dy; it sums them over its rows once, at the end, into a small table
+that a last sum over contiguous memory finishes. Bytes: read dy, x', dx'_res, write dx', once each.
+
+The forward pass stays torch ops (`residual_layer_norm`'s autograd Function): Inductor already fuses
+the add, the statistics and the normalisation into one kernel. The Function keeps x', mean and
+rstd for the backward pass, as torch's LayerNorm does. On a CPU, or without Triton, the backward
+runs as the same formulas in torch ops.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import env
+from .env import tl, triton
+from .linear import _compute_dtype, _op
+
+
+@triton.jit
+def _layer_norm_backward_kernel(
+    dy_ptr,                 # (M, C) row-major: the gradient of y
+    x_ptr,                  # (M, C) row-major: x', the normalised input
+    mean_ptr, rstd_ptr,     # (M,) fp32 each
+    w_ptr,                  # (C,) LayerNorm's weight
+    res_ptr,                # (M, C) row-major: dx'_res, read only if HAS_RES
+    dx_ptr,                 # (M, C) row-major: dx', written
+    part_ptr,               # (2, C, R) fp32: [0] dw's and [1] db's partial sum of column c over row group r
+    M, C, R,                # rows, columns, row groups (cdiv(M, ROWS))
+    HAS_RES: tl.constexpr,
+    ROWS: tl.constexpr,     # rows per program, a multiple of BLOCK_M
+    BLOCK_M: tl.constexpr,  # rows per loop iteration
+    BLOCK_C: tl.constexpr,  # a power of two >= C: whole rows
+):
+    pid = tl.program_id(axis=0)
+    cols = tl.arange(0, BLOCK_C)                                            # (BLOCK_C,)
+    col_ok = cols < C
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    acc_w = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)                 # sum of dy * xhat, element-wise
+    acc_b = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)                 # sum of dy
+    for r in range(0, ROWS, BLOCK_M):
+        rows = pid * ROWS + r + tl.arange(0, BLOCK_M)                       # (BLOCK_M,)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]                            # (BLOCK_M, BLOCK_C)
+        offs = rows.to(tl.int64)[:, None] * C + cols[None, :]               # 64-bit: M * C may pass 2^31
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy * w[None, :]
+        c1 = tl.sum(g * xhat, axis=1) / C                                   # (BLOCK_M,) mean(g * xhat)
+        c2 = tl.sum(g, axis=1) / C                                          # (BLOCK_M,) mean(g)
+        dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+        if HAS_RES:
+            dx += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        acc_w += dy * xhat                                                  # masked elements are 0
+        acc_b += dy
+    tl.store(part_ptr + cols * R + pid, tl.sum(acc_w, axis=0), mask=col_ok)
+    tl.store(part_ptr + (C + cols) * R + pid, tl.sum(acc_b, axis=0), mask=col_ok)
+
+
+# (ROWS, BLOCK_M, num_warps) on a GPU; the interpreter runs one numpy op per tile, so there large
+# tiles keep the tests fast.
+_CONFIG = (32, 4, 8)
+_INTERPRET_CONFIG = (64, 32, 1)
+
+
+def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor,
+                        dres: Optional[Tensor] = None, config=None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx', dw, db) for y = LayerNorm(x') as the module docstring says, with dx'_res = ``dres``
+    added to dx' (None: nothing added).
+
+    dy, x, dres: (M, C) each; mean, rstd: (M,) fp32; weight: (C,). dx': a new contiguous (M, C)
+    tensor in x's dtype; dw, db: (C,) fp32. `config` (ROWS, BLOCK_M, num_warps) overrides the tile
+    sizes, for benchmarks."""
+    if x.dim() != 2 or dy.shape != x.shape or (dres is not None and dres.shape != x.shape):
+        raise ValueError(f"dy, x and dres must be (M, C) matrices of one shape, got {tuple(dy.shape)}, {tuple(x.shape)}"
+                         f" and {None if dres is None else tuple(dres.shape)}; reshape to (tokens, features) first")
+    M, C = x.shape
+    if mean.shape != (M,) or rstd.shape != (M,) or weight.shape != (C,):
+        raise ValueError(f"mean and rstd must be ({M},) and weight ({C},), got {tuple(mean.shape)}, "
+                         f"{tuple(rstd.shape)} and {tuple(weight.shape)}")
+    env.check_device(x)
+    rows, block_m, warps = config or (_INTERPRET_CONFIG if env.interpreting() else _CONFIG)
+    if block_m < 1 or block_m & (block_m - 1) or rows % block_m:
+        raise ValueError(f"config: BLOCK_M={block_m} must be a power of two and ROWS={rows} a multiple of it")
+    if env.interpreting() and torch.bfloat16 in (dy.dtype, x.dtype, weight.dtype, getattr(dres, "dtype", None)):
+        # The interpreter keeps bf16 as raw 16-bit integers and its arithmetic on them is wrong: widen first.
+        dx, dw, db = layer_norm_backward(dy.float(), x.float(), mean, rstd, weight.float(),
+                                         None if dres is None else dres.float(), config)
+        return dx.to(x.dtype), dw, db
+    dy, x = dy.contiguous(), x.contiguous()
+    dres = dres.contiguous() if dres is not None else None
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if M == 0 or C == 0:
+        return dx, torch.zeros(C, device=x.device), torch.zeros(C, device=x.device)
+    R = triton.cdiv(M, rows)
+    part = torch.empty((2, C, R), dtype=torch.float32, device=x.device)  # each column's partial sums side by side
+    _layer_norm_backward_kernel[(R,)](dy, x, mean.float().contiguous(), rstd.float().contiguous(), weight,
+                                      dres if dres is not None else x, dx, part, M, C, R, HAS_RES=dres is not None,
+                                      ROWS=rows, BLOCK_M=block_m, BLOCK_C=triton.next_power_of_2(C), num_warps=warps)
+    return dx, part[0].sum(1), part[1].sum(1)  # two sums, not views of one: a custom op's outputs may not alias
+
+
+def layer_norm_backward_reference(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor,
+                                  dres: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The same three results with torch ops, in fp32 (dx' returned in x's dtype)."""
+    xhat = (x.float() - mean[:, None]) * rstd[:, None]
+    g = dy.float() * weight.float()
+    dx = (g - g.mean(1, keepdim=True) - xhat * (g * xhat).mean(1, keepdim=True)) * rstd[:, None]
+    if dres is not None:
+        dx = dx + dres.float()
+    return dx.to(x.dtype), (dy.float() * xhat).sum(0), dy.float().sum(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The backward pass as a custom operator, the autograd Function and the functional form
+# ----------------------------------------------------------------------------------------------
+# Whether the backward runs as the Triton pass (a module-level name, so tests can switch it).
+_triton_backward = env.runs_compiled
+
+
+def ln_backward_impl(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor,
+                     dres: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx', dw, db) on the Triton pass where it runs, else torch's ops."""
+    if _triton_backward(x):
+        return layer_norm_backward(dy, x, mean, rstd, weight, dres)
+    return layer_norm_backward_reference(dy, x, mean, rstd, weight, dres)
+
+
+ln_backward_op = torch.library.custom_op("mpgpt::layer_norm_backward", mutates_args=())(ln_backward_impl)
+
+
+@ln_backward_op.register_fake
+def _(dy, x, mean, rstd, weight, dres):
+    C = x.shape[1]
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((C,), dtype=torch.float32),
+            x.new_empty((C,), dtype=torch.float32))
+
+
+class _ResidualLayerNormFunction(torch.autograd.Function):
+    """x' = x + branch (or x' = x without a branch), y = LayerNorm(x') in ``out_dtype``; returns
+    (x', y) with a branch, y alone without. The backward pass names every dtype, so it does not
+    depend on the autocast state it runs under."""
+
+    @staticmethod
+    def forward(ctx, x, branch, weight, bias, eps, out_dtype):
+        xs = x + branch if branch is not None else x                      # (..., C), x's dtype
+        x2 = xs.reshape(-1, xs.shape[-1])                                  # (M, C)
+        xf = x2.float()
+        var, mean = torch.var_mean(xf, dim=1, correction=0)               # (M,) each
+        rstd = torch.rsqrt(var + eps)
+        y = (xf - mean[:, None]) * rstd[:, None] * weight.float()
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(x2, mean, rstd, weight)
+        ctx.meta = (xs.shape, x.dtype, None if branch is None else branch.dtype, weight.dtype,
+                    None if bias is None else bias.dtype)
+        y = y.to(out_dtype).view(xs.shape)
+        return (xs, y) if branch is not None else y
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x2, mean, rstd, weight = ctx.saved_tensors
+        shape, x_dt, branch_dt, w_dt, b_dt = ctx.meta
+        d_res, dy = grads if branch_dt is not None else (None, grads[0])
+        dy = dy.reshape(x2.shape)
+        d_res = d_res.reshape(x2.shape).to(x2.dtype) if d_res is not None else None
+        dx, dw, db = _op(ln_backward_op, ln_backward_impl)(dy, x2, mean, rstd, weight, d_res)  # (M, C), (C,), (C,)
+        dx = dx.view(shape)  # the gradient of x' = x + branch, so of both
+        return (dx.to(x_dt), dx.to(branch_dt) if branch_dt is not None else None, dw.to(w_dt),
+                db.to(b_dt) if b_dt is not None else None, None, None)
+
+
+def residual_layer_norm(x: Tensor, branch: Optional[Tensor], ln: torch.nn.LayerNorm):
+    """(x + branch, ln(x + branch)) with the backward pass of the module docstring, or ln(x) alone
+    when ``branch`` is None. Under autocast, y comes back in autocast's dtype (what the next
+    matmul multiplies); outside it, in x's dtype. For an fp32 model outside autocast, exactly the
+    unfused torch ops."""
+    if ln.normalized_shape != (x.shape[-1],) or not ln.elementwise_affine:
+        raise ValueError(f"residual_layer_norm needs an affine LayerNorm over the last dimension ({x.shape[-1]}), "
+                         f"got normalized_shape={ln.normalized_shape}, elementwise_affine={ln.elementwise_affine}")
+    dtype = _compute_dtype(x)
+    if dtype is None:
+        xs = x + branch if branch is not None else x
+        y = ln(xs)
+        return (xs, y) if branch is not None else y
+    return _ResidualLayerNormFunction.apply(x, branch, ln.weight, ln.bias, ln.eps, dtype)

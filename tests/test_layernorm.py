@@ -1,0 +1,273 @@
+"""Tests for mpgpt/kernels/layernorm.py: the residual add with its LayerNorm, the backward in one pass.
+
+The reference is torch's LayerNorm in float64 with float64 autograd, on the same (already rounded)
+inputs. The kernel evaluates the formulas in fp32, so in fp32 its gradients agree to fp32 rounding
+over a row of C terms and a column of M terms (relative 1e-6 or so), bounded at 1e-5. Stored in
+bf16, dx' carries one more rounding (2^-8 relative per element, a few 1e-3 as a norm): bounded at
+1e-2. The weight and bias gradients are always fp32 sums: 1e-5. Each bound is far below what a
+missing term of the formula, a row group left out of the column sums or a residual gradient not
+added gives (O(1)).
+
+Through the model, the fused blocks must give the unfused model's loss exactly in the forward pass
+(the same torch ops in the same order up to the LayerNorm's own reduction), and its gradients to
+bf16 accuracy, as test_model's bounds say.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+from mpgpt.kernels import env, layernorm
+from mpgpt.model import GPT, GPTConfig
+from test_model import assert_same_loss_and_gradients
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 2e-2
+
+pytestmark = pytest.mark.skipif(env.TRITON_IMPORT_ERROR is not None, reason=str(env.TRITON_IMPORT_ERROR))
+
+
+def rel_err(out, ref):
+    out = out.double()
+    if not torch.isfinite(out).all():
+        return math.inf
+    return (out - ref).norm().item() / max(ref.norm().item(), 1e-30)
+
+
+def inputs(M, C, dtype, shift=0.0):
+    """Fresh random x', dy, dx'_res and LayerNorm weight (around 1) and bias, and x''s mean and rstd."""
+    x = (torch.randn(M, C, device=DEVICE) + shift).to(dtype)
+    dy, dres = torch.randn(M, C, device=DEVICE).to(dtype), torch.randn(M, C, device=DEVICE).to(dtype)
+    w = (1 + 0.2 * torch.randn(C, device=DEVICE)).to(dtype)
+    b = (0.2 * torch.randn(C, device=DEVICE)).to(dtype)
+    var, mean = torch.var_mean(x.float(), dim=1, correction=0)
+    return x, dy, dres, w, b, mean, torch.rsqrt(var + 1e-5)
+
+
+def float64_grads(x, dy, w, b, dres):
+    """dx' (+ dres), dw, db from torch's LayerNorm in float64."""
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    F.layer_norm(leaves[0], (x.shape[1],), leaves[1], leaves[2], 1e-5).backward(dy.double())
+    dx = leaves[0].grad + (dres.double() if dres is not None else 0)
+    return dx, leaves[1].grad, leaves[2].grad
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_res", [True, False])
+@pytest.mark.parametrize("shape,config", [((37, 48), None), ((37, 48), (16, 8, 1)), ((5, 100), (8, 2, 1)),
+                                          ((130, 64), (32, 32, 1))])
+def test_layer_norm_backward_matches_float64(dtype, with_res, shape, config):
+    """Shapes with edges: M not a multiple of the rows per program, C not a power of two (48, 100),
+    several programs whose partial sums the last sum adds; a mean far from zero (shift 3)."""
+    x, dy, dres, w, b, mean, rstd = inputs(*shape, dtype, shift=3.0)
+    dres = dres if with_res else None
+    dx, dw, db = layernorm.layer_norm_backward(dy, x, mean, rstd, w, dres, config=config)
+    ref_dx, ref_dw, ref_db = float64_grads(x, dy, w, b, dres)
+    assert dx.shape == x.shape and dx.dtype == dtype and dw.dtype == db.dtype == torch.float32
+    assert rel_err(dx, ref_dx) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert rel_err(dw, ref_dw) < 1e-5 and rel_err(db, ref_db) < 1e-5
+    # the torch formulas the CPU path uses agree to the same bounds
+    r_dx, r_dw, r_db = layernorm.layer_norm_backward_reference(dy, x, mean, rstd, w, dres)
+    assert rel_err(r_dx, ref_dx) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert rel_err(r_dw, ref_dw) < 1e-5 and rel_err(r_db, ref_db) < 1e-5
+
+
+def test_layer_norm_backward_errors():
+    x, dy, dres, w, b, mean, rstd = inputs(6, 8, torch.float32)
+    with pytest.raises(ValueError, match="one shape"):
+        layernorm.layer_norm_backward(dy[:, :4], x, mean, rstd, w)
+    with pytest.raises(ValueError, match="reshape to"):
+        layernorm.layer_norm_backward(dy.view(2, 3, 8), x.view(2, 3, 8), mean, rstd, w)
+    with pytest.raises(ValueError, match="mean and rstd"):
+        layernorm.layer_norm_backward(dy, x, mean[:3], rstd, w)
+    with pytest.raises(ValueError, match="multiple of it"):
+        layernorm.layer_norm_backward(dy, x, mean, rstd, w, config=(6, 4, 1))
+    with pytest.raises(ValueError, match="power of two"):
+        layernorm.layer_norm_backward(dy, x, mean, rstd, w, config=(6, 3, 1))
+
+
+def test_layer_norm_backward_with_no_rows_gives_zeros():
+    x, dy, dres, w, b, mean, rstd = inputs(0, 8, torch.float32)
+    dx, dw, db = layernorm.layer_norm_backward(dy, x, mean, rstd, w, dres)
+    assert dx.shape == (0, 8) and torch.equal(dw, torch.zeros(8, device=DEVICE)) and torch.equal(db, dw)
+
+
+# ----------------------------------------------------------------------------------------------
+# The autograd Function
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(params=["torch", "triton"])
+def backward_path(request, monkeypatch):
+    """The backward as torch ops or as the Triton pass. A GPU takes the Triton pass by itself; on a
+    CPU it is forced here, and runs in Triton's interpreter. A spy checks that the path is taken."""
+    calls = []
+    if request.param == "triton":
+        if DEVICE == "cpu":
+            monkeypatch.setattr(layernorm, "_triton_backward", lambda t: True)
+        elif not layernorm._triton_backward(torch.empty(1, device=DEVICE, dtype=torch.bfloat16)):
+            pytest.skip("bf16 Triton kernels need compute capability >= 8.0")
+        kernel = layernorm.layer_norm_backward
+        monkeypatch.setattr(layernorm, "layer_norm_backward", lambda *a, **kw: calls.append(a) or kernel(*a, **kw))
+    elif DEVICE == "cuda":
+        monkeypatch.setattr(layernorm, "_triton_backward", lambda t: False)
+    yield request.param
+    assert bool(calls) == (request.param == "triton")
+
+
+def make_ln(C, dtype, bias=True):
+    ln = torch.nn.LayerNorm(C, bias=bias).to(DEVICE)
+    with torch.no_grad():
+        ln.weight.copy_(1 + 0.2 * torch.randn(C, device=DEVICE))
+        if bias:
+            ln.bias.copy_(0.2 * torch.randn(C, device=DEVICE))
+    return ln.to(dtype)
+
+
+def float64_function(x, branch, ln, grads_out):
+    """(x', y) of the unfused add + LayerNorm in float64, and the gradients of x, branch, w, b."""
+    leaves = [t.detach().double().requires_grad_() if t is not None else None
+              for t in (x, branch, ln.weight, ln.bias)]
+    xs = leaves[0] + leaves[1] if branch is not None else leaves[0]
+    y = F.layer_norm(xs, (x.shape[-1],), leaves[2], leaves[3], ln.eps)
+    outs = (xs, y) if branch is not None else (y,)
+    torch.autograd.backward(outs, [g.double() for g in grads_out])
+    return [o.detach() for o in outs], [t.grad if t is not None else None for t in leaves]
+
+
+@pytest.mark.parametrize("with_branch,bias", [(True, True), (False, True), (True, False)])
+def test_residual_layer_norm_in_bf16_matches_float64(with_branch, bias, backward_path):
+    torch.manual_seed(0)
+    C = 48
+    ln = make_ln(C, torch.bfloat16, bias)
+    x = torch.randn(2, 30, C, device=DEVICE).to(torch.bfloat16).requires_grad_()
+    branch = torch.randn(2, 30, C, device=DEVICE).to(torch.bfloat16).requires_grad_() if with_branch else None
+    outs = layernorm.residual_layer_norm(x, branch, ln)
+    outs = outs if with_branch else (outs,)
+    assert all(o.dtype == torch.bfloat16 and o.shape == x.shape for o in outs)
+    grads_out = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, grads_out)
+    ref_outs, ref_grads = float64_function(x, branch, ln, grads_out)
+    for o, r in zip(outs, ref_outs):
+        assert rel_err(o, r) < TOL
+    for name, t, r in zip(("x", "branch", "weight", "bias"), (x, branch, ln.weight, ln.bias), ref_grads):
+        if t is not None:
+            assert t.grad is not None and t.grad.dtype == t.dtype, name
+            assert rel_err(t.grad, r) < TOL, f"{name}: {rel_err(t.grad, r):.2e}"
+
+
+def test_under_autocast_fp32_parameters_get_fp32_gradients(backward_path):
+    """An fp32 model under bf16 autocast: y comes back in bf16 (what the next matmul multiplies),
+    x' in fp32 (the residual stream's dtype), and every gradient in its input's dtype."""
+    torch.manual_seed(1)
+    ln = make_ln(32, torch.float32)
+    x = torch.randn(40, 32, device=DEVICE, requires_grad=True)
+    branch = torch.randn(40, 32, device=DEVICE).bfloat16().requires_grad_()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        xs, y = layernorm.residual_layer_norm(x, branch, ln)
+    assert xs.dtype == torch.float32 and y.dtype == torch.bfloat16
+    grads_out = [torch.randn_like(xs), torch.randn_like(y)]
+    torch.autograd.backward((xs, y), grads_out)
+    _, ref_grads = float64_function(x, branch, ln, grads_out)
+    for name, t, r in zip(("x", "branch", "weight", "bias"), (x, branch, ln.weight, ln.bias), ref_grads):
+        assert t.grad.dtype == t.dtype, name
+        assert rel_err(t.grad, r) < TOL, f"{name}: {rel_err(t.grad, r):.2e}"
+
+
+def test_an_fp32_model_outside_autocast_runs_the_unfused_ops_exactly():
+    ln = make_ln(16, torch.float32)
+    x, branch = torch.randn(3, 16, device=DEVICE), torch.randn(3, 16, device=DEVICE)
+    xs, y = layernorm.residual_layer_norm(x, branch, ln)
+    assert torch.equal(xs, x + branch) and torch.equal(y, ln(x + branch))
+    assert torch.equal(layernorm.residual_layer_norm(x, None, ln), ln(x))
+
+
+def test_residual_layer_norm_refuses_a_mismatched_layer_norm():
+    with pytest.raises(ValueError, match="affine LayerNorm over the last dimension"):
+        layernorm.residual_layer_norm(torch.randn(2, 8, device=DEVICE), None, torch.nn.LayerNorm(4).to(DEVICE))
+
+
+def test_residual_layer_norm_compiles_into_one_graph():
+    """torch.compile traces the Function with no graph break, LayerNorm's backward is one node
+    (mpgpt::layer_norm_backward) of the backward graph, and compiled gradients equal eager's."""
+    torch.manual_seed(5)
+    ln = make_ln(16, torch.bfloat16)
+    x = torch.randn(24, 16, device=DEVICE).bfloat16().requires_grad_()
+    branch = torch.randn(24, 16, device=DEVICE).bfloat16().requires_grad_()
+
+    def step(x, branch):
+        xs, y = layernorm.residual_layer_norm(x, branch, ln)
+        return (xs.float().square() + y.float() * 3).sum()
+
+    explanation = torch._dynamo.explain(step)(x, branch)
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
+    backward_code = []
+
+    def keep_backward(gm, example_inputs):
+        backward_code.append(gm.code)
+        return make_boxed_func(gm)
+
+    compiled = torch.compile(step, fullgraph=True, backend=aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm),
+                                                                         bw_compiler=keep_backward))
+    compiled(x, branch).backward()
+    leaves = (x, branch, ln.weight, ln.bias)
+    got = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    step(x, branch).backward()
+    for g, t in zip(got, leaves):
+        assert torch.equal(g, t.grad)  # the same operators on the same inputs
+    assert len(backward_code) == 1 and "mpgpt.layer_norm_backward" in backward_code[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------
+def small_model(dtype, **overrides):
+    cfg = GPTConfig.preset("tiny", vocab_size=65, n_layer=2, n_embd=32, n_head=2, block_size=16, **overrides)
+    return GPT(cfg).to(DEVICE).to(dtype)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_set_fused_layer_norm_keeps_the_loss_and_the_gradients(bias, backward_path):
+    """The regrouped blocks compute the same sums: a bf16 model's loss and gradients match the
+    unfused model's to bf16 accuracy (test_model's bounds), with the fused MLP and attention input
+    on too; set_fused_layer_norm(False) and activation checkpointing take the unfused blocks."""
+    torch.manual_seed(4)
+    ref = small_model(torch.bfloat16, bias=bias)
+    model = small_model(torch.bfloat16, bias=bias)
+    model.load_state_dict(ref.state_dict())
+    model.set_fused_layer_norm(True).use_triton(layers="mlp+qkv")
+    assert_same_loss_and_gradients(ref, model, DEVICE)
+    assert model.fused_layer_norm is layernorm.residual_layer_norm
+    assert model.set_fused_layer_norm(False).fused_layer_norm is None
+
+
+def test_activation_checkpointing_takes_the_unfused_blocks():
+    model = small_model(torch.float32).set_fused_layer_norm(True).set_activation_checkpointing(True)
+    model.fused_layer_norm = lambda *a: pytest.fail("the fused blocks ran under activation checkpointing")
+    idx = torch.randint(0, 65, (2, 16), device=DEVICE)
+    _, loss = model(idx, idx)
+    assert torch.isfinite(loss)
+
+
+# ----------------------------------------------------------------------------------------------
+# On a GPU
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.sm80
+def test_gpu_layer_norm_backward_at_gpt2_shape():
+    """GPT-2's (12288, 768) in bf16: dx' within bf16 rounding of float64, dw and db within fp32
+    summation error, and the compiled custom operator gives the same tensors as the direct call."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 Triton kernels need compute capability >= 8.0")
+    torch.manual_seed(6)
+    x, dy, dres, w, b, mean, rstd = inputs(12288, 768, torch.bfloat16, shift=1.0)
+    dx, dw, db = layernorm.layer_norm_backward(dy, x, mean, rstd, w, dres)
+    ref_dx, ref_dw, ref_db = float64_grads(x, dy, w, b, dres)
+    assert rel_err(dx, ref_dx) < 1e-2 and rel_err(dw, ref_dw) < 1e-5 and rel_err(db, ref_db) < 1e-5
+    again = layernorm.ln_backward_op(dy, x, mean, rstd, w, dres)
+    assert all(torch.equal(a, b) for a, b in zip(again, (dx, dw, db)))
