@@ -60,8 +60,8 @@ def float64_grads(x, dy, w, b, dres):
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_res", [True, False])
-@pytest.mark.parametrize("shape,config", [((37, 48), None), ((37, 48), (16, 8, 1, True)), ((5, 100), (8, 2, 1, True)),
-                                          ((130, 64), (32, 32, 1, True)), ((37, 300), (16, 4, 1, False))])
+@pytest.mark.parametrize("shape,config", [((37, 48), None), ((37, 48), (16, 8, 1)), ((5, 100), (8, 2, 1)),
+                                          ((130, 64), (32, 32, 1)), ((37, 300), (16, 4, 1))])
 def test_layer_norm_backward_matches_float64(dtype, with_res, shape, config):
     """Shapes with edges: M not a multiple of the rows per program, C not a power of two (48, 100),
     several programs whose partial sums the last sum adds; a mean far from zero (shift 3)."""
@@ -87,9 +87,9 @@ def test_layer_norm_backward_errors():
     with pytest.raises(ValueError, match="mean and rstd"):
         layernorm.layer_norm_backward(dy, x, mean[:3], rstd, w)
     with pytest.raises(ValueError, match="multiple of it"):
-        layernorm.layer_norm_backward(dy, x, mean, rstd, w, config=(6, 4, 1, True))
+        layernorm.layer_norm_backward(dy, x, mean, rstd, w, config=(6, 4, 1))
     with pytest.raises(ValueError, match="power of two"):
-        layernorm.layer_norm_backward(dy, x, mean, rstd, w, config=(6, 3, 1, True))
+        layernorm.layer_norm_backward(dy, x, mean, rstd, w, config=(6, 3, 1))
 
 
 def test_layer_norm_backward_with_no_rows_gives_zeros():
