@@ -19,6 +19,9 @@ The package, one file per idea:
     fp8_cast.py  chapter 9's fp8 cast: amax, scale and saturating cast in two launches (Fp8Linear's casts)
     linear.py    TritonLinear; ops.py: its kernels as torch.compile-traceable custom operators
     mlp.py       the transformer's MLP with GELU fused into its first product (the ws kernel's epilogue)
+    heads.py     the attention's dq, dk, dv merged into c_attn's gradient, its bias gradient in the same pass
+    qkv.py       c_attn and the head split, with heads.py's pass in the backward
+    layernorm.py the residual add with its LayerNorm, the backward (with the weight and bias gradients) in one pass
     cross_entropy.py  chapter 7's fused output layer loss: loss and logit gradients in one pass
     (the benchmark against cuBLAS is mpgpt/bench/kernels.py: python -m mpgpt.bench kernels)
 

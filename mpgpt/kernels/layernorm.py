@@ -20,6 +20,11 @@ program takes ROWS rows, BLOCK_M at a time, whole rows wide, writes dx' and keep
 fp32 sums of dy * xhat and dy; it sums them over its rows once, at the end, into a small table
 that a last sum over contiguous memory finishes. Bytes: read dy, x', dx'_res, write dx', once each.
 
+At GPT-2's (12288, 768) on the H200, timed as replayed CUDA graphs: 46.2 us against 52.2 us for
+Inductor's two kernels (record kernels-layer-norm-h200). That took one change of layout. Held as
+(BLOCK_M, 1024) tiles, each row was split across the warps, whose partial row sums then met in
+shared memory twice per iteration: 61.2 us, slower than Inductor (record kernels-fused-backward-h200).
+
 The forward pass stays torch ops (`residual_layer_norm`'s autograd Function): Inductor already fuses
 the add, the statistics and the normalisation into one kernel. The Function keeps x', mean and
 rstd for the backward pass, as torch's LayerNorm does. On a CPU, or without Triton, the backward
