@@ -319,6 +319,11 @@ class GPT(nn.Module):
         block): one `mpgpt.kernels.layernorm.residual_layer_norm` per pair."""
         add_ln = self.fused_layer_norm
         blocks = self.transformer.h
+        if any(b._forward_pre_hooks or b._forward_hooks for b in blocks):
+            # The regrouped loop calls attn and mlp, never Block.forward, so hooks on a block (FSDP2's
+            # fully_shard registers one on each) would silently not run.
+            raise RuntimeError("set_fused_layer_norm skips Block.forward, and a block here has forward hooks "
+                               "(FSDP2's fully_shard adds them); call set_fused_layer_norm(False) first")
         y = add_ln(x, None, blocks[0].ln_1)  # (B, T, C)
         for i, block in enumerate(blocks):
             x, y = add_ln(x, block.attn(y), block.ln_2)  # x + attn(ln_1(x)), and its ln_2

@@ -255,6 +255,19 @@ def test_activation_checkpointing_takes_the_unfused_blocks():
     assert torch.isfinite(loss)
 
 
+def test_fused_blocks_refuse_blocks_with_forward_hooks():
+    """The regrouped loop never calls Block.forward: a hook on a block (FSDP2 adds one to each) would
+    silently not run, so the forward pass refuses instead."""
+    model = small_model(torch.float32).set_fused_layer_norm(True)
+    calls = []
+    model.transformer.h[1].register_forward_pre_hook(lambda module, args: calls.append(module))
+    idx = torch.randint(0, 65, (2, 16), device=DEVICE)
+    with pytest.raises(RuntimeError, match="forward hooks"):
+        model(idx, idx)
+    model.set_fused_layer_norm(False)(idx, idx)
+    assert len(calls) == 1  # unfused, the hook runs
+
+
 # ----------------------------------------------------------------------------------------------
 # On a GPU
 # ----------------------------------------------------------------------------------------------
