@@ -223,6 +223,17 @@ class Block(nn.Module):
         return x
 
 
+def _has_hooks(module: nn.Module | None) -> bool:
+    """Whether forward or backward hooks are registered on ``module`` (None: on every module)."""
+    from torch.nn.modules import module as _m
+
+    if module is None:
+        return bool(_m._global_forward_pre_hooks or _m._global_forward_hooks or _m._global_backward_hooks
+                    or _m._global_backward_pre_hooks)
+    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
 class GPT(nn.Module):
     """A GPT-2-style language model: token ids (B, T) -> next-token logits (B, T, vocab_size)."""
 
@@ -319,16 +330,22 @@ class GPT(nn.Module):
         block): one `mpgpt.kernels.layernorm.residual_layer_norm` per pair."""
         add_ln = self.fused_layer_norm
         blocks = self.transformer.h
-        if any(b._forward_pre_hooks or b._forward_hooks for b in blocks):
-            # The regrouped loop calls attn and mlp, never Block.forward, so hooks on a block (FSDP2's
-            # fully_shard registers one on each) would silently not run.
-            raise RuntimeError("set_fused_layer_norm skips Block.forward, and a block here has forward hooks "
-                               "(FSDP2's fully_shard adds them); call set_fused_layer_norm(False) first")
+        skipped = [*blocks, self.transformer.ln_f, *(ln for b in blocks for ln in (b.ln_1, b.ln_2))]
+        if any(_has_hooks(m) for m in skipped) or _has_hooks(None):
+            # The regrouped loop never calls Block.forward or the LayerNorms' forward, so their
+            # hooks (FSDP2's fully_shard registers one on each block) would silently not run.
+            raise RuntimeError("set_fused_layer_norm skips Block.forward and LayerNorm.forward, and hooks are "
+                               "registered on them (FSDP2's fully_shard adds some); call set_fused_layer_norm(False)")
         y = add_ln(x, None, blocks[0].ln_1)  # (B, T, C)
         for i, block in enumerate(blocks):
             x, y = add_ln(x, block.attn(y), block.ln_2)  # x + attn(ln_1(x)), and its ln_2
-            after = blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.transformer.ln_f
-            x, y = add_ln(x, block.mlp(y), after)  # x + mlp(ln_2(x)), and the next LayerNorm of it
+            if i + 1 < len(blocks):
+                x, y = add_ln(x, block.mlp(y), blocks[i + 1].ln_1)  # x + mlp(ln_2(x)), and the next block's ln_1
+            else:
+                # ln_f's output goes to the loss, not a matmul: in the dtype nn.LayerNorm returns
+                # (fp32 under autocast, which runs LayerNorm in fp32), as the unfused model has it.
+                out = torch.float32 if torch.is_autocast_enabled(x.device.type) else x.dtype
+                x, y = add_ln(x, block.mlp(y), self.transformer.ln_f, out)
         return y
 
     def _check_idx(self, idx) -> None:
@@ -492,9 +509,10 @@ class GPT(nn.Module):
         its epilogue, GELU's backward and c_fc's bias gradient in one Triton pass, the other
         products cuBLAS; on GPUs other than sm_90 the product runs as torch ops.
         ``layers="mlp+qkv"`` adds ``mpgpt.kernels.qkv.qkv_heads`` to each attention layer: c_attn
-        as before, with its backward's head merge and bias gradient in one Triton pass. The new layers share the very same Parameter
-        objects, so an optimizer built before the swap keeps working and the state_dict keys do
-        not change. enable=False swaps back (every form). Returns self.
+        as before, with its backward's head merge and bias gradient in one Triton pass. The new
+        layers share the very same Parameter objects, so an optimizer built before the swap keeps
+        working and the state_dict keys do not change. enable=False swaps back (every form).
+        Returns self.
         """
         if layers not in ("all", "gelu", "mlp", "mlp+qkv"):
             raise ValueError(f"layers must be 'all', 'gelu' (only mlp.c_fc), 'mlp' (the fused MLP) or 'mlp+qkv' "

@@ -98,19 +98,22 @@ def test_merge_heads_bias_with_no_tokens_gives_zeros():
 @pytest.fixture(params=["torch", "triton"])
 def merge_path(request, monkeypatch):
     """The merge as torch ops or as the Triton pass. A GPU takes the Triton pass by itself (with a
-    bias); on a CPU it is forced here, and runs in Triton's interpreter."""
-    calls = []
+    bias); on a CPU it is forced here, and runs in Triton's interpreter. Spies on both check that
+    the path named, and only it, is taken."""
+    calls = {"triton": [], "torch": []}
     if request.param == "triton":
         if DEVICE == "cpu":
             monkeypatch.setattr(qkv, "_triton_merge", lambda t: True)
         elif not qkv._triton_merge(torch.empty(1, device=DEVICE, dtype=torch.bfloat16)):
             pytest.skip("bf16 Triton kernels need compute capability >= 8.0")
-        kernel = heads.merge_heads_bias
-        monkeypatch.setattr(heads, "merge_heads_bias", lambda *a, **kw: calls.append(a) or kernel(*a, **kw))
     elif DEVICE == "cuda":
         monkeypatch.setattr(qkv, "_triton_merge", lambda t: False)
+    for path, name in (("triton", "merge_heads_bias"), ("torch", "merge_heads_reference")):
+        fn = getattr(heads, name)
+        monkeypatch.setattr(heads, name, lambda *a, _f=fn, _c=calls[path], **kw: _c.append(a) or _f(*a, **kw))
     yield request.param
-    assert bool(calls) == (request.param == "triton")
+    other = "torch" if request.param == "triton" else "triton"
+    assert calls[request.param] and not calls[other]
 
 
 def params(C, dtype, device=DEVICE):

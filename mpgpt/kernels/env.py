@@ -212,7 +212,7 @@ def check_device(t: torch.Tensor) -> None:
 def runs_compiled(t: torch.Tensor) -> bool:
     """Whether an optional Triton pass should run on `t`: a compiled kernel on a GPU that Triton
     supports in t's dtype (bf16 needs sm_80). The modules that take an optional pass (mlp.py,
-    qkv.py) run torch's ops otherwise: on a CPU the interpreter would be correct but slow."""
+    qkv.py, layernorm.py) run torch's ops otherwise: on a CPU the interpreter would be correct but slow."""
     if TRITON_IMPORT_ERROR is not None or interpreting() or not t.is_cuda:
         return False
     return capability(t.device) >= ((8, 0) if t.dtype == torch.bfloat16 else (7, 0))

@@ -9,8 +9,8 @@ autograd then needs two things from them before c_attn's two gradient GEMMs:
     db    = d_qkv summed over its rows               c_attn's bias gradient, (3C,)
 
 Under torch.compile these are two passes: a copy kernel, then a column reduction that reads
-d_qkv again. In the GPT-2 step on an H200 that is 26.3 + 14.1 us per block, 0.49 ms a step
-(benchmarks/NOTES-train.md). This kernel does both in one pass, as `gelu.gelu_backward_bias` does
+d_qkv again. In a profile of the GPT-2 step on an H200 (not kept) that was 26.3 + 14.1 us per
+block, 0.49 ms a step (benchmarks/NOTES-train.md). This kernel does both in one pass, as `gelu.gelu_backward_bias` does
 for c_fc: each program copies a (ROWS, hs) strip, one head of one source, BLOCK_M rows at a
 time, and keeps an element-wise fp32 sum of what it copied:
 
@@ -61,7 +61,7 @@ def _merge_heads_sum_kernel(
     # One head per program: the column offsets are a scalar plus d * s_d, and Triton compiles
     # s_d == 1 as a constant, so each row of a tile is one contiguous read and write (16-byte
     # accesses in the compiled code).
-    src_col = h.to(tl.int64) * s_h + d * s_d
+    src_col = h.to(tl.int64) * s_h + d.to(tl.int64) * s_d
     out_col = (s * NH + h) * HS + d                                         # (BLOCK_D,) in d_qkv
     out_n = 3 * NH * HS
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)

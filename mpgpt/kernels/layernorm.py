@@ -21,9 +21,11 @@ fp32 sums of dy * xhat and dy; it sums them over its rows once, at the end, into
 that a last sum over contiguous memory finishes. Bytes: read dy, x', dx'_res, write dx', once each.
 
 At GPT-2's (12288, 768) on the H200, timed as replayed CUDA graphs: 46.2 us against 52.2 us for
-Inductor's two kernels (record kernels-layer-norm-h200). That took one change of layout. Held as
-(BLOCK_M, 1024) tiles, each row was split across the warps, whose partial row sums then met in
+Inductor's two kernels (record kernels-layer-norm-h200). The layout is what makes it pay: held as
+(BLOCK_M, 1024) tiles, each row is split across the warps, whose partial row sums then meet in
 shared memory twice per iteration: 61.2 us, slower than Inductor (record kernels-fused-backward-h200).
+Whole rows live in registers, so the kernel suits GPT-2-sized rows (C in the hundreds or low
+thousands); much wider rows still compute correctly but spill.
 
 The forward pass stays torch ops (`residual_layer_norm`'s autograd Function): Inductor already fuses
 the add, the statistics and the normalisation into one kernel. The Function keeps x', mean and
@@ -46,7 +48,7 @@ from .linear import _compute_dtype, _op
 @triton.jit
 def _layer_norm_backward_kernel(
     dy_ptr,                 # (M, C) row-major: the gradient of y
-    x_ptr,                  # (M, C) row-major: x', the normalised input
+    x_ptr,                  # (M, C) row-major: x', LayerNorm's input
     mean_ptr, rstd_ptr,     # (M,) fp32 each
     w_ptr,                  # (C,) LayerNorm's weight
     res_ptr,                # (M, C) row-major: dx'_res, read only if HAS_RES
@@ -136,7 +138,7 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weigh
     R = triton.cdiv(M, rows)
     part = torch.empty((2, C, R), dtype=torch.float32, device=x.device)  # each column's partial sums side by side
     chunk = min(_CHUNK, triton.next_power_of_2(C))
-    _layer_norm_backward_kernel[(R,)](dy, x, mean.float().contiguous(), rstd.float().contiguous(), weight,
+    _layer_norm_backward_kernel[(R,)](dy, x, mean.float().contiguous(), rstd.float().contiguous(), weight.contiguous(),
                                       dres if dres is not None else x, dx, part, M, C, R, HAS_RES=dres is not None,
                                       ROWS=rows, BLOCK_M=block_m, CHUNK=chunk,
                                       NCHUNK=triton.next_power_of_2(triton.cdiv(C, chunk)), num_warps=warps)
@@ -157,14 +159,16 @@ def layer_norm_backward_reference(dy: Tensor, x: Tensor, mean: Tensor, rstd: Ten
 # ----------------------------------------------------------------------------------------------
 # The backward pass as a custom operator, the autograd Function and the functional form
 # ----------------------------------------------------------------------------------------------
-# Whether the backward runs as the Triton pass (a module-level name, so tests can switch it).
-_triton_backward = env.runs_compiled
+def _triton_backward(*tensors: Tensor) -> bool:
+    """Whether the backward runs as the Triton pass: it can for every operand's dtype here (a
+    module-level function, so tests can switch it)."""
+    return all(env.runs_compiled(t) for t in tensors)
 
 
 def ln_backward_impl(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor,
                      dres: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """(dx', dw, db) on the Triton pass where it runs, else torch's ops."""
-    if _triton_backward(x):
+    if _triton_backward(dy, x, weight):
         return layer_norm_backward(dy, x, mean, rstd, weight, dres)
     return layer_norm_backward_reference(dy, x, mean, rstd, weight, dres)
 
@@ -186,6 +190,7 @@ class _ResidualLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, branch, weight, bias, eps, out_dtype):
+        ctx.set_materialize_grads(False)  # x' unused after the last block: no zero gradient to read
         xs = x + branch if branch is not None else x                      # (..., C), x's dtype
         x2 = xs.reshape(-1, xs.shape[-1])                                  # (M, C)
         xf = x2.float()
@@ -205,7 +210,7 @@ class _ResidualLayerNormFunction(torch.autograd.Function):
         x2, mean, rstd, weight = ctx.saved_tensors
         shape, x_dt, branch_dt, w_dt, b_dt = ctx.meta
         d_res, dy = grads if branch_dt is not None else (None, grads[0])
-        dy = dy.reshape(x2.shape)
+        dy = dy.reshape(x2.shape) if dy is not None else torch.zeros_like(x2)
         d_res = d_res.reshape(x2.shape).to(x2.dtype) if d_res is not None else None
         dx, dw, db = _op(ln_backward_op, ln_backward_impl)(dy, x2, mean, rstd, weight, d_res)  # (M, C), (C,), (C,)
         dx = dx.view(shape)  # the gradient of x' = x + branch, so of both
@@ -213,11 +218,12 @@ class _ResidualLayerNormFunction(torch.autograd.Function):
                 db.to(b_dt) if b_dt is not None else None, None, None)
 
 
-def residual_layer_norm(x: Tensor, branch: Optional[Tensor], ln: torch.nn.LayerNorm):
+def residual_layer_norm(x: Tensor, branch: Optional[Tensor], ln: torch.nn.LayerNorm,
+                        out_dtype: Optional[torch.dtype] = None):
     """(x + branch, ln(x + branch)) with the backward pass of the module docstring, or ln(x) alone
-    when ``branch`` is None. Under autocast, y comes back in autocast's dtype (what the next
-    matmul multiplies); outside it, in x's dtype. For an fp32 model outside autocast, exactly the
-    unfused torch ops."""
+    when ``branch`` is None. y comes back in ``out_dtype``; None: autocast's dtype under autocast
+    (what the next matmul multiplies, so the matmul's cast is already done), x's dtype outside it.
+    For an fp32 model outside autocast, exactly the unfused torch ops."""
     if ln.normalized_shape != (x.shape[-1],) or not ln.elementwise_affine:
         raise ValueError(f"residual_layer_norm needs an affine LayerNorm over the last dimension ({x.shape[-1]}), "
                          f"got normalized_shape={ln.normalized_shape}, elementwise_affine={ln.elementwise_affine}")
@@ -226,4 +232,4 @@ def residual_layer_norm(x: Tensor, branch: Optional[Tensor], ln: torch.nn.LayerN
         xs = x + branch if branch is not None else x
         y = ln(xs)
         return (xs, y) if branch is not None else y
-    return _ResidualLayerNormFunction.apply(x, branch, ln.weight, ln.bias, ln.eps, dtype)
+    return _ResidualLayerNormFunction.apply(x, branch, ln.weight, ln.bias, ln.eps, out_dtype or dtype)

@@ -65,8 +65,9 @@ def _(x2, w, bias):
     return y, torch.empty_like(y)
 
 
-# Whether GELU's backward runs as the Triton pass (a module-level name, so tests can switch it).
-_triton_backward = env.runs_compiled
+def _triton_backward(t: Tensor) -> bool:
+    """Whether GELU's backward runs as the Triton pass here (a module-level function, so tests can switch it)."""
+    return env.runs_compiled(t)
 
 
 def gelu_backward_impl(h: Tensor, z: Tensor, with_bias: bool) -> tuple[Tensor, Tensor]:

@@ -10,9 +10,8 @@ into heads. The backward pass receives dq, dk, dv from the attention kernel and 
 
 where autograd, compiled or not, would copy the three gradients into d_qkv and then read d_qkv
 again for db (two passes: 49.2 us against the one pass's 41.1 us per layer at GPT-2's shape on the
-H200; benchmarks/NOTES-train.md). db is
-summed in fp32 from the same bf16 values, then rounded once to the bias's dtype, where autocast's
-backward rounds it to bf16 first.
+H200; benchmarks/NOTES-train.md). db is summed in fp32 from the same bf16 values, then rounded
+once to the bias's dtype, where autocast's backward rounds it to bf16 first.
 
 Dtypes follow the fused MLP (mlp.py): autocast's dtype under autocast, a bf16/fp16 model's own
 dtype outside it, and exactly the unfused torch ops for an fp32 model outside autocast. Without
@@ -30,8 +29,9 @@ from torch import Tensor
 from . import env, heads
 from .linear import _compute_dtype, _op
 
-# Whether the merge runs as the Triton pass (a module-level name, so tests can switch it).
-_triton_merge = env.runs_compiled
+def _triton_merge(t: Tensor) -> bool:
+    """Whether the merge runs as the Triton pass here (a module-level function, so tests can switch it)."""
+    return env.runs_compiled(t)
 
 
 def merge_heads_impl(dq: Tensor, dk: Tensor, dv: Tensor, with_bias: bool) -> tuple[Tensor, Tensor]:
@@ -68,13 +68,13 @@ class _QKVFunction(torch.autograd.Function):
         w_lp = w.to(dtype)                                              # (3C, C)
         qkv = F.linear(x2, w_lp, b.to(dtype) if b is not None else None)  # (M, 3C)
         ctx.save_for_backward(x2, w_lp)
-        ctx.shapes = (x.shape, x.dtype, w.dtype, None if b is None else b.dtype)
+        ctx.meta = (x.shape, x.dtype, w.dtype, None if b is None else b.dtype)
         return split_heads(qkv.view(*x.shape[:-1], w.shape[0]), n_head)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         x2, w_lp = ctx.saved_tensors
-        x_shape, x_dtype, w_dt, b_dt = ctx.shapes
+        x_shape, x_dtype, w_dt, b_dt = ctx.meta
         dq, dk, dv = (g.to(w_lp.dtype) for g in (dq, dk, dv))
         d_qkv, db = _op(merge_heads_op, merge_heads_impl)(dq, dk, dv, b_dt is not None)  # (M, 3C), (3C,)
         dw = (d_qkv.t() @ x2).to(w_dt)                                                   # (3C, C)
