@@ -225,8 +225,7 @@ class Block(nn.Module):
 
 def _has_hooks(module: nn.Module | None) -> bool:
     """Whether forward or backward hooks are registered on ``module`` (None: on every module)."""
-    from torch.nn.modules import module as _m
-
+    _m = nn.modules.module  # where torch keeps the hooks registered for every module
     if module is None:
         return bool(_m._global_forward_pre_hooks or _m._global_forward_hooks or _m._global_backward_hooks
                     or _m._global_backward_pre_hooks)

@@ -260,6 +260,7 @@ def test_gpu_merge_of_sdpa_gradients_at_gpt2_shape():
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     dq, dk, dv = torch.autograd.grad(y, (q, k, v), torch.randn_like(y))  # as the kernel returns them
+    assert dq.stride() == dk.stride() == dv.stride()  # the one-launch path reads them in place, no copy
     d_qkv, db = heads.merge_heads_bias(dq, dk, dv)
     ref, _ = heads.merge_heads_reference(dq, dk, dv)
     assert torch.equal(d_qkv, ref)

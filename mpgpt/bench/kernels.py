@@ -282,6 +282,7 @@ def bench_merge_heads(B=12, T=1024, n_head=12, hs=64):
         return ((db.double() - ref_db).norm() / ref_db.norm()).item()
 
     res = {"B": B, "T": T, "n_head": n_head, "head_size": hs, "grad_strides": list(dq.stride()),
+           "same_strides": dq.stride() == dk.stride() == dv.stride(),  # else the kernel copies them first
            "bytes": 2 * 3 * B * T * C * 2,
            "torch_eager_ms": _graph_ms(lambda: heads.merge_heads_reference(dq, dk, dv))}
     for name, patch in (("torch_compiled_ms", {}), ("torch_compiled_no_mix_order_ms", {"triton.mix_order_reduction": False})):
