@@ -21,11 +21,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
 
 from mpgpt.kernels import env, heads, qkv
 from mpgpt.model import GPT, GPTConfig
+from compile_check import assert_compiles_like_eager
 from test_model import assert_same_loss_and_gradients
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -225,24 +224,8 @@ def test_qkv_heads_compiles_into_one_graph():
         q, k, v = qkv.qkv_heads(x, w, b, 2)
         return (q.float() * k.float() + v.float().square()).sum()
 
-    explanation = torch._dynamo.explain(step)(x, w, b)
-    assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
-    backward_code = []
-
-    def keep_backward(gm, example_inputs):
-        backward_code.append(gm.code)
-        return make_boxed_func(gm)
-
-    compiled = torch.compile(step, fullgraph=True, backend=aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm),
-                                                                         bw_compiler=keep_backward))
-    compiled(x, w, b).backward()
-    got = [t.grad.clone() for t in (x, w, b)]
-    for t in (x, w, b):
-        t.grad = None
-    step(x, w, b).backward()
-    for g, t in zip(got, (x, w, b)):
-        assert torch.equal(g, t.grad)  # the same operators on the same inputs
-    assert len(backward_code) == 1 and "mpgpt.merge_heads_bias" in backward_code[0]
+    _, backward_code = assert_compiles_like_eager(step, (x, w, b), (x, w, b))
+    assert "mpgpt.merge_heads_bias" in backward_code
 
 
 # ----------------------------------------------------------------------------------------------
