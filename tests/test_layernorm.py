@@ -12,28 +12,20 @@ Through the model, the fused blocks must give the unfused model's loss and gradi
 accuracy, as test_model's bounds say; for an fp32 model under autocast, where every rounding to
 bf16 happens at the same place in both, the loss bit for bit and the gradients to 1e-4.
 """
-import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from mpgpt.kernels import env, layernorm
-from mpgpt.model import GPT, GPTConfig
 from compile_check import assert_compiles_like_eager
+from test_mlp import rel_err, small_model  # the same norm-relative error and tiny model
 from test_model import assert_same_loss_and_gradients
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 2e-2
 
 pytestmark = pytest.mark.skipif(env.TRITON_IMPORT_ERROR is not None, reason=str(env.TRITON_IMPORT_ERROR))
-
-
-def rel_err(out, ref):
-    out = out.double()
-    if not torch.isfinite(out).all():
-        return math.inf
-    return (out - ref).norm().item() / max(ref.norm().item(), 1e-30)
 
 
 def inputs(M, C, dtype, shift=0.0):
@@ -236,10 +228,6 @@ def test_residual_layer_norm_compiles_into_one_graph():
 # ----------------------------------------------------------------------------------------------
 # The model
 # ----------------------------------------------------------------------------------------------
-def small_model(dtype, **overrides):
-    cfg = GPTConfig.preset("tiny", vocab_size=65, n_layer=2, n_embd=32, n_head=2, block_size=16, **overrides)
-    return GPT(cfg).to(DEVICE).to(dtype)
-
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_set_fused_layer_norm_keeps_the_loss_and_the_gradients(bias, backward_path):

@@ -133,8 +133,9 @@ def test_the_operator_returns_gelu_and_its_input():
     assert rel_err(y, F.gelu(ref, approximate="tanh")) < 1e-2
 
 
-def small_model(dtype):
-    cfg = GPTConfig.preset("tiny", vocab_size=65, n_layer=2, n_embd=32, n_head=2, block_size=16)
+def small_model(dtype, **overrides):
+    """A two-block GPT on DEVICE in ``dtype``, for the fused layers' model tests (here, test_qkv, test_layernorm)."""
+    cfg = GPTConfig.preset("tiny", vocab_size=65, n_layer=2, n_embd=32, n_head=2, block_size=16, **overrides)
     return GPT(cfg).to(DEVICE).to(dtype)
 
 

@@ -23,21 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from mpgpt.kernels import env, heads, qkv
-from mpgpt.model import GPT, GPTConfig
 from compile_check import assert_compiles_like_eager
+from test_mlp import rel_err, small_model  # the same norm-relative error and tiny model
 from test_model import assert_same_loss_and_gradients
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 2e-2
 
 pytestmark = pytest.mark.skipif(env.TRITON_IMPORT_ERROR is not None, reason=str(env.TRITON_IMPORT_ERROR))
-
-
-def rel_err(out, ref):
-    out = out.double()
-    if not torch.isfinite(out).all():
-        return math.inf
-    return (out - ref).norm().item() / max(ref.norm().item(), 1e-30)
 
 
 def grads(B, nh, T, hs, dtype, layout):
@@ -186,10 +179,6 @@ def test_qkv_heads_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="x \\(B, T, C\\)"):
         qkv.qkv_heads(torch.randn(5, 16, device=DEVICE), w, b, 4)
 
-
-def small_model(dtype):
-    cfg = GPTConfig.preset("tiny", vocab_size=65, n_layer=2, n_embd=32, n_head=2, block_size=16)
-    return GPT(cfg).to(DEVICE).to(dtype)
 
 
 def test_use_triton_mlp_qkv_keeps_the_parameters_and_the_gradients():
