@@ -169,6 +169,11 @@ TRAIN_CONFIGS = {
     "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+step-graph+no-mix-order": _config(
         "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="bf16-mantissa",
         triton="mlp+qkv", fused_ln=True),
+    # The same Triton passes on the fp32 model under autocast (torch's fused AdamW, the clip inside
+    # it): bf16, and fp16 with the package's DynamicLossScaler, whose step the 16-bit AdamW cannot take.
+    **{f"{p}+compile+fused-ce+fused-clip+triton-mlp-qkv+fused-ln+step-graph+no-mix-order": _config(
+        p, "dynamic" if p == "fp16" else "none", compile="default", fused_loss=True, fused_clip=True, cuda_graph=True,
+        inductor=NO_MIX_ORDER, triton="mlp+qkv", fused_ln=True) for p in ("bf16", "fp16")},
     "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+fused-ln+step-graph+no-mix-order": _config(
         "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
         optim16="bf16-mantissa", triton="mlp", fused_ln=True),

@@ -112,8 +112,25 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weigh
     added to dx' (None: nothing added).
 
     dy, x, dres: (M, C) each; mean, rstd: (M,) fp32; weight: (C,). dx': a new contiguous (M, C)
-    tensor in x's dtype; dw, db: (C,) fp32. `config` (ROWS, BLOCK_M, num_warps) overrides the tile
-    sizes, for benchmarks."""
+    tensor in x's dtype; dw, db: (C,) fp32 (the two rows of one (2, C) tensor). `config`
+    (ROWS, BLOCK_M, num_warps) overrides the tile sizes, for benchmarks; ROWS None spreads the rows
+    over one wave of programs (`rows_per_program`)."""
+    dx, dwb = _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres, config)
+    return dx, dwb[0], dwb[1]
+
+
+def rows_per_program(M: int, block_m: int, sms: int) -> int:
+    """ROWS for M rows such that every program runs at once: two programs per multiprocessor
+    (at C = 768 the kernel takes 255 registers a thread, so two 4-warp programs fit on one), each
+    taking an equal share of the rows, rounded up to a multiple of BLOCK_M. At GPT-2's 12288 rows
+    on the H200's 132 multiprocessors: 48 rows, 256 programs; a fixed 32 rows would make 384
+    programs, a wave and a half."""
+    return block_m * max(1, triton.cdiv(M, 2 * sms * block_m))
+
+
+def _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres=None, config=None) -> tuple[Tensor, Tensor]:
+    """(dx', dwb) with dwb = stack([dw, db]), a (2, C) fp32 tensor: what the custom operator
+    returns (its outputs may not be views of one tensor, and one sum makes both rows)."""
     if x.dim() != 2 or dy.shape != x.shape or (dres is not None and dres.shape != x.shape):
         raise ValueError(f"dy, x and dres must be (M, C) matrices of one shape, got {tuple(dy.shape)}, {tuple(x.shape)}"
                          f" and {None if dres is None else tuple(dres.shape)}; reshape to (tokens, features) first")
@@ -123,18 +140,22 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weigh
                          f"{tuple(rstd.shape)} and {tuple(weight.shape)}")
     env.check_device(x)
     rows, block_m, warps = config or (_INTERPRET_CONFIG if env.interpreting() else _CONFIG)
-    if block_m < 1 or block_m & (block_m - 1) or rows % block_m:
-        raise ValueError(f"config: BLOCK_M={block_m} must be a power of two and ROWS={rows} a multiple of it")
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"config: BLOCK_M={block_m} must be a power of two")
+    if rows is None:
+        rows = rows_per_program(M, block_m, env.num_sms(x.device) if x.is_cuda else 1)
+    if rows % block_m:
+        raise ValueError(f"config: ROWS={rows} must be a multiple of BLOCK_M={block_m}")
     if env.interpreting() and torch.bfloat16 in (dy.dtype, x.dtype, weight.dtype, getattr(dres, "dtype", None)):
         # The interpreter keeps bf16 as raw 16-bit integers and its arithmetic on them is wrong: widen first.
-        dx, dw, db = layer_norm_backward(dy.float(), x.float(), mean, rstd, weight.float(),
-                                         None if dres is None else dres.float(), config)
-        return dx.to(x.dtype), dw, db
+        dx, dwb = _layer_norm_backward_packed(dy.float(), x.float(), mean, rstd, weight.float(),
+                                              None if dres is None else dres.float(), (rows, block_m, warps))
+        return dx.to(x.dtype), dwb
     dy, x = dy.contiguous(), x.contiguous()
     dres = dres.contiguous() if dres is not None else None
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     if M == 0 or C == 0:
-        return dx, torch.zeros(C, device=x.device), torch.zeros(C, device=x.device)
+        return dx, torch.zeros((2, C), device=x.device)
     R = triton.cdiv(M, rows)
     part = torch.empty((2, C, R), dtype=torch.float32, device=x.device)  # each column's partial sums side by side
     chunk = min(_CHUNK, triton.next_power_of_2(C))
@@ -142,7 +163,7 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weigh
                                       dres if dres is not None else x, dx, part, M, C, R, HAS_RES=dres is not None,
                                       ROWS=rows, BLOCK_M=block_m, CHUNK=chunk,
                                       NCHUNK=triton.next_power_of_2(triton.cdiv(C, chunk)), num_warps=warps)
-    return dx, part[0].sum(1), part[1].sum(1)  # two sums, not views of one: a custom op's outputs may not alias
+    return dx, part.sum(2)  # (2, C): dw and db, one launch over contiguous rows of R partial sums
 
 
 def layer_norm_backward_reference(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor,
@@ -166,11 +187,12 @@ def _triton_backward(*tensors: Tensor) -> bool:
 
 
 def ln_backward_impl(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor,
-                     dres: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx', dw, db) on the Triton pass where it runs, else torch's ops."""
+                     dres: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(dx', stack([dw, db])) on the Triton pass where it runs, else torch's ops."""
     if _triton_backward(dy, x, weight):
-        return layer_norm_backward(dy, x, mean, rstd, weight, dres)
-    return layer_norm_backward_reference(dy, x, mean, rstd, weight, dres)
+        return _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres)
+    dx, dw, db = layer_norm_backward_reference(dy, x, mean, rstd, weight, dres)
+    return dx, torch.stack([dw, db])
 
 
 ln_backward_op = torch.library.custom_op("mpgpt::layer_norm_backward", mutates_args=())(ln_backward_impl)
@@ -178,9 +200,7 @@ ln_backward_op = torch.library.custom_op("mpgpt::layer_norm_backward", mutates_a
 
 @ln_backward_op.register_fake
 def _(dy, x, mean, rstd, weight, dres):
-    C = x.shape[1]
-    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((C,), dtype=torch.float32),
-            x.new_empty((C,), dtype=torch.float32))
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((2, x.shape[1]), dtype=torch.float32))
 
 
 class _ResidualLayerNormFunction(torch.autograd.Function):
@@ -212,7 +232,8 @@ class _ResidualLayerNormFunction(torch.autograd.Function):
         d_res, dy = grads if branch_dt is not None else (None, grads[0])
         dy = dy.reshape(x2.shape) if dy is not None else torch.zeros_like(x2)
         d_res = d_res.reshape(x2.shape).to(x2.dtype) if d_res is not None else None
-        dx, dw, db = _op(ln_backward_op, ln_backward_impl)(dy, x2, mean, rstd, weight, d_res)  # (M, C), (C,), (C,)
+        dx, dwb = _op(ln_backward_op, ln_backward_impl)(dy, x2, mean, rstd, weight, d_res)  # (M, C), (2, C)
+        dw, db = dwb
         dx = dx.view(shape)  # the gradient of x' = x + branch, so of both
         return (dx.to(x_dt), dx.to(branch_dt) if branch_dt is not None else None, dw.to(w_dt),
                 db.to(b_dt) if b_dt is not None else None, None, None)
