@@ -18,10 +18,12 @@ whose many partial sums then take 50 separate reductions a step; benchmarks/NOTE
 `layer_norm_backward` does both in one pass, as `gelu.gelu_backward_bias` does for c_fc: each
 program takes ROWS rows, BLOCK_M at a time, whole rows wide, writes dx' and keeps element-wise
 fp32 sums of dy * xhat and dy; it sums them over its rows once, at the end, into a small table
-that a last sum over contiguous memory finishes. Bytes: read dy, x', dx'_res, write dx', once each.
+that one last sum over contiguous memory finishes (dw's and db's columns side by side: one launch
+for both). Bytes: read dy, x', dx'_res, write dx', once each.
 
-At GPT-2's (12288, 768) on the H200, timed as replayed CUDA graphs: 46.2 us against 52.2 us for
-Inductor's two kernels (record kernels-layer-norm-h200). The layout is what makes it pay: held as
+At GPT-2's (12288, 768) on the H200, timed as replayed CUDA graphs: 43.1 us against 52.6 us for
+Inductor's two kernels (record kernels-layer-norm-one-sum-h200; 46.2 us with one last sum for dw
+and another for db, record kernels-layer-norm-h200). The layout is what makes it pay: held as
 (BLOCK_M, 1024) tiles, each row is split across the warps, whose partial row sums then meet in
 shared memory twice per iteration: 61.2 us, slower than Inductor (record kernels-fused-backward-h200).
 Whole rows live in registers, so the kernel suits GPT-2-sized rows (C in the hundreds or low
@@ -99,7 +101,8 @@ def _layer_norm_backward_kernel(
 
 
 # (ROWS, BLOCK_M, num_warps) on a GPU: the fastest of ten in a sweep at GPT-2's (12288, 768) on the
-# H200, 46.2 us against 52.2 us for Inductor's two kernels (record kernels-layer-norm-h200). The
+# H200 (record kernels-layer-norm-h200), and again of eight in a second sweep (one wave of programs
+# at (48, 4, 4) was slower, 46.1 against 43.1 us; record kernels-layer-norm-one-sum-h200). The
 # interpreter runs one numpy op per tile, so there large tiles keep the tests fast.
 _CONFIG = (32, 4, 4)
 _INTERPRET_CONFIG = (64, 32, 1)
@@ -113,19 +116,9 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weigh
 
     dy, x, dres: (M, C) each; mean, rstd: (M,) fp32; weight: (C,). dx': a new contiguous (M, C)
     tensor in x's dtype; dw, db: (C,) fp32 (the two rows of one (2, C) tensor). `config`
-    (ROWS, BLOCK_M, num_warps) overrides the tile sizes, for benchmarks; ROWS None spreads the rows
-    over one wave of programs (`rows_per_program`)."""
+    (ROWS, BLOCK_M, num_warps) overrides the tile sizes, for benchmarks."""
     dx, dwb = _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres, config)
     return dx, dwb[0], dwb[1]
-
-
-def rows_per_program(M: int, block_m: int, sms: int) -> int:
-    """ROWS for M rows such that every program runs at once: two programs per multiprocessor
-    (at C = 768 the kernel takes 255 registers a thread, so two 4-warp programs fit on one), each
-    taking an equal share of the rows, rounded up to a multiple of BLOCK_M. At GPT-2's 12288 rows
-    on the H200's 132 multiprocessors: 48 rows, 256 programs; a fixed 32 rows would make 384
-    programs, a wave and a half."""
-    return block_m * max(1, triton.cdiv(M, 2 * sms * block_m))
 
 
 def _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres=None, config=None) -> tuple[Tensor, Tensor]:
@@ -142,8 +135,6 @@ def _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres=None, config=Non
     rows, block_m, warps = config or (_INTERPRET_CONFIG if env.interpreting() else _CONFIG)
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"config: BLOCK_M={block_m} must be a power of two")
-    if rows is None:
-        rows = rows_per_program(M, block_m, env.num_sms(x.device) if x.is_cuda else 1)
     if rows % block_m:
         raise ValueError(f"config: ROWS={rows} must be a multiple of BLOCK_M={block_m}")
     if env.interpreting() and torch.bfloat16 in (dy.dtype, x.dtype, weight.dtype, getattr(dres, "dtype", None)):
