@@ -34,6 +34,13 @@ def test_records_hold_what_the_chapters_read():
         assert "H200" in results.describe(results.load_record(name))
 
 
+def test_every_shipped_record_file_is_listed_and_every_listed_one_ships():
+    """A record file the package ships but RECORDS does not name could not be loaded by name, and
+    would escape the environment checks above."""
+    shipped = {p.stem for p in results.RECORDS_DIR.glob("*.json")}
+    assert shipped == set(results.RECORDS), f"unlisted: {shipped - set(results.RECORDS)}, missing: {set(results.RECORDS) - shipped}"
+
+
 def test_unknown_record_names_the_ones_there_are():
     with pytest.raises(KeyError, match="kernels-h200"):
         results.load_record("kernels")
