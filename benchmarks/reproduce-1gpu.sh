@@ -5,6 +5,7 @@
 #   scaler-overhead-h200  python benchmarks/scaler_overhead.py --device cuda --preset gpt2
 #   train-h200-fused-ce   python -m mpgpt.bench train --configs bf16+compile,bf16+compile+fused-ce
 #   (train-peers-h200 needs llm.c and nanoGPT beside the package; its record keeps the command)
+#   the compiled ladder   python -m mpgpt.bench train --configs ladder (chapter 7's rungs in one run)
 #   lab-gpu-h200          python benchmarks/lab_gpu_check.py
 #   optim16-h200, optim16-training-h200   python -m mpgpt.bench optim16 (--parts training)
 #   fp8-h200, fp8-training-h200           python -m mpgpt.bench fp8 (needs sm_89+: skipped below that)
@@ -70,6 +71,12 @@ run scaler-overhead "$py" "$here/scaler_overhead.py" --device cuda --preset gpt2
 # Chapter 7: the fused classifier against the compiled step, in one run (record train-h200-fused-ce).
 run train-fused-ce "$py" -m mpgpt.bench train --configs bf16+compile,bf16+compile+fused-ce \
     --warmup 10 --steps 30 --tag fused-ce --out-dir "$out"
+
+# Chapter 7: the compiled ladder rung by rung, the bias-free last rung, fp16 beside bf16 where it can
+# go (mpgpt.bench.training.LADDER: thirteen rows; rows like these took 18-30 s each on an H200,
+# compile included, in the peer records). The peer records add
+# llm.c and nanoGPT to such a run (their harness stays outside the repository; each record keeps it).
+run train-ladder "$py" -m mpgpt.bench train --configs ladder --warmup 15 --steps 40 --tag ladder --out-dir "$out"
 
 # The NaN lab on a GPU: hidden syncs, the grader compiled, the scripts' times (record lab-gpu-h200).
 run lab-gpu "$py" "$here/lab_gpu_check.py" --out-dir "$out"

@@ -81,3 +81,21 @@ def test_every_row_compiles_afresh_and_inductor_settings_bypass_the_graph_cache(
     assert events == ["reset", ("build", base, plain), ("steps", plain),
                       "reset", ("build", base + "+ln-split64", tuned), ("steps", tuned),
                       "reset", ("build", base, plain), ("steps", plain)]
+
+
+def test_the_ladder_is_one_change_per_rung_and_expands_from_its_name():
+    """`--configs ladder` stands for LADDER. Its rungs up to the last one with biases each change one
+    setting of the rung before, except where the 16-bit AdamW comes in and takes over the clip."""
+    assert training.expand_configs("ladder") == training.LADDER
+    assert training.expand_configs("fp32, ladder,") == ["fp32"] + training.LADDER
+    assert all(name in training.TRAIN_CONFIGS for name in training.LADDER)
+    last = training.LADDER.index("bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+step-graph+no-mix-order")
+    for before, after in zip(training.LADDER[:last], training.LADDER[1:last + 1]):
+        old, new = training.TRAIN_CONFIGS[before], training.TRAIN_CONFIGS[after]
+        changed = {k for k in set(old) | set(new) if old.get(k) != new.get(k)}
+        assert len(changed) == 1 or changed == {"optim16", "fused_clip"}, f"{before} -> {after} changes {sorted(changed)}"
+
+
+def test_the_ladder_is_refused_nowhere_and_an_unknown_name_still_is(capsys, tmp_path):
+    assert training.main(["--configs", "ladder,bf16+nonsense", "--out-dir", str(tmp_path)]) == 2
+    assert "bf16+nonsense" in capsys.readouterr().err

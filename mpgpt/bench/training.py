@@ -192,6 +192,38 @@ TRAIN_CONFIGS = {
 }
 
 
+# The compiled ladder as chapter 7 tells it, one change per rung, each row adding one thing to the
+# row before it (the 16-bit AdamW replaces the fused clip: it clips by itself). After the last rung:
+# the same step on nanoGPT's bias-free model, and the last rung fp16 can take (an fp32 model under
+# autocast; the 16-bit AdamW trains bf16 models only) in bf16 and fp16, as is fp16 beside the first.
+# `--configs ladder` runs these rows in this order.
+LADDER = [
+    "bf16+compile",
+    "bf16+compile+fused-ce",
+    "bf16+compile+fused-ce+fused-clip",
+    "bf16+compile+fused-ce+fused-clip+step-graph",
+    "bf16+compile+fused-ce+fused-clip+step-graph+no-mix-order",
+    "bf16+compile+fused-ce+optim16-mantissa+step-graph+no-mix-order",
+    "bf16+compile+fused-ce+optim16-mantissa+triton-mlp+step-graph+no-mix-order",
+    "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+step-graph+no-mix-order",
+    "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+step-graph+no-mix-order",
+    "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+fused-ln+step-graph+no-mix-order",
+    "fp16+compile",
+    "bf16+compile+fused-ce+fused-clip+triton-mlp-qkv+fused-ln+step-graph+no-mix-order",
+    "fp16+compile+fused-ce+fused-clip+triton-mlp-qkv+fused-ln+step-graph+no-mix-order",
+]
+NAMED_LISTS = {"ladder": LADDER}
+
+
+def expand_configs(text: str) -> list[str]:
+    """The --configs value as configuration names: comma-separated, each a TRAIN_CONFIGS name or a
+    NAMED_LISTS name ("ladder") that stands for its list."""
+    names = []
+    for n in (n.strip() for n in text.split(",")):
+        names += NAMED_LISTS.get(n, [n] if n else [])
+    return names
+
+
 class SyntheticTokens:
     """Random token batches already on the device, rotated so no step re-reads the same batch."""
 
@@ -449,7 +481,8 @@ def build_parser(prog="python -m mpgpt.bench train") -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=int, default=12)
     t.add_argument("--block-size", type=int, default=None)
     t.add_argument("--configs", default="fp32,tf32,fp16,bf16,fp16+compile,bf16+compile,bf16+compile+triton",
-                   help="comma-separated names from: " + ", ".join(TRAIN_CONFIGS))
+                   help="comma-separated names from: " + ", ".join(TRAIN_CONFIGS)
+                        + "; or 'ladder': chapter 7's compiled ladder, rung by rung (LADDER)")
     t.add_argument("--warmup", type=int, default=10)
     t.add_argument("--steps", type=int, default=30)
     t.add_argument("--activation-checkpointing", action="store_true")
@@ -469,7 +502,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     command = shlex.join(["python", "-m", "mpgpt.bench", "train", *argv])
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    names = expand_configs(args.configs)
     profiled = [n.strip() for n in (args.profile or "").split(",") if n.strip()]
     extra = [args.max_batch_config, args.real_run_config, *profiled]
     unknown = [n for n in names + [e for e in extra if e] if n not in TRAIN_CONFIGS]
