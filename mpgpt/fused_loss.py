@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["chunked_linear_cross_entropy", "save_summed_grads", "rescale_summed_grads"]
+__all__ = ["chunked_linear_cross_entropy", "save_summed_grads", "rescale_summed_grads", "first_derivative_only"]
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -54,7 +54,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        first_derivative_only("set_chunked_loss", "GPT.set_chunked_loss(0)")
         return (*rescale_summed_grads(ctx, grad_out), None, None, None)
+
+
+def first_derivative_only(layer: str, off: str) -> None:
+    """Called first in the backward pass of the package's autograd Functions whose saved tensors
+    carry no graph (gradients computed in the forward pass, as here, or Triton kernels): raise a
+    one-line RuntimeError when that backward runs with create_graph=True (the only time grad mode
+    is on inside it), since a second derivative through it would come out silently wrong."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{layer} computes first derivatives only, and this backward pass was asked for a "
+                           f"graph (create_graph=True) to differentiate twice; call {off} for higher-order gradients")
 
 
 def save_summed_grads(ctx, loss_sum, grad_x, grad_w, targets, x_dtype, w_dtype):

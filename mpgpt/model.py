@@ -147,7 +147,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape  # batch, sequence length, channels (n_embd)
-        if self.fused_qkv is not None:
+        # The fused form never calls c_attn's forward: with hooks on it (or on every module), take
+        # the plain path so that they run.
+        if self.fused_qkv is not None and not (_has_hooks(self.c_attn) or _has_hooks(None)):
             q, k, v = self.fused_qkv(x, self.c_attn.weight, self.c_attn.bias, self.n_head)  # 3 x (B, nh, T, hs)
         else:
             q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
@@ -201,7 +203,9 @@ class MLP(nn.Module):
         self.fused = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None:
+        # The fused form never calls c_fc's, act's or c_proj's forward: with hooks on them (or on
+        # every module), take the plain path so that they run.
+        if self.fused is not None and not any(_has_hooks(m) for m in (self.c_fc, self.act, self.c_proj, None)):
             return self.dropout(self.fused(x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias))
         x = self.act(self.c_fc(x))  # (B, T, 4C)
         return self.dropout(self.c_proj(x))  # (B, T, C)
@@ -335,6 +339,14 @@ class GPT(nn.Module):
             # hooks (FSDP2's fully_shard registers one on each block) would silently not run.
             raise RuntimeError("set_fused_layer_norm skips Block.forward and LayerNorm.forward, and hooks are "
                                "registered on them (FSDP2's fully_shard adds some); call set_fused_layer_norm(False)")
+        # Nor would a block's or a norm's own forward run: a wrapper (checkpoint_wrapper replaces each
+        # block with one), a subclass, or another kind of norm put in place of nn.LayerNorm.
+        odd = [type(m).__name__ for m in blocks if type(m).forward is not Block.forward]
+        odd += [type(m).__name__ for m in skipped[len(blocks):] if type(m).forward is not nn.LayerNorm.forward]
+        if odd:
+            raise RuntimeError(f"set_fused_layer_norm regroups Block.forward and nn.LayerNorm.forward, but the model "
+                               f"holds {odd[0]} in their place, whose own forward would not run; call "
+                               "set_fused_layer_norm(False)")
         y = add_ln(x, None, blocks[0].ln_1)  # (B, T, C)
         for i, block in enumerate(blocks):
             x, y = add_ln(x, block.attn(y), block.ln_2)  # x + attn(ln_1(x)), and its ln_2

@@ -33,4 +33,5 @@ def _fresh_seed():
     """Fresh random inputs on every run: seed from the OS, and print it so a failure can be replayed."""
     seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
+    print(f"torch.manual_seed({seed})")  # pytest shows a failing test's captured output
     yield seed

@@ -336,3 +336,12 @@ def test_the_fused_clip_and_tuning_configurations_are_what_their_names_say():
     for name in ("bf16+compile+fused-ce+fused-clip", "bf16+compile+fused-ce+fused-clip+cd-tuning"):
         with pytest.raises(ValueError, match="fused_clip"):
             ddp.check_supported(name)
+
+
+def test_a_second_derivative_is_refused_not_silently_wrong():
+    x = torch.randn(6, 32, device=DEVICE, requires_grad=True)
+    w = torch.randn(40, 32, device=DEVICE, requires_grad=True)
+    t = torch.randint(0, 40, (6,), device=DEVICE)
+    loss = fused_linear_cross_entropy(x, w, t)
+    with pytest.raises(RuntimeError, match=r"first derivatives only.*GPT\.set_fused_loss\(False\)"):
+        torch.autograd.grad(loss, x, create_graph=True)

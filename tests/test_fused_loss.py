@@ -65,3 +65,16 @@ def test_bad_shapes_are_refused():
         chunked_linear_cross_entropy(x, w[:, :3], t)
     with pytest.raises(ValueError, match="chunk_rows"):
         chunked_linear_cross_entropy(x, w, t, 0)
+
+
+def test_a_second_derivative_is_refused_not_silently_wrong():
+    """The gradients are computed in the forward pass and only rescaled in the backward pass, so they
+    carry no graph: create_graph=True is refused, with the way back to full logits named."""
+    x = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(11, 8, requires_grad=True)
+    t = torch.randint(0, 11, (6,))
+    loss = chunked_linear_cross_entropy(x, w, t, 4)
+    with pytest.raises(RuntimeError, match=r"first derivatives only.*GPT\.set_chunked_loss\(0\)"):
+        torch.autograd.grad(loss, x, create_graph=True)
+    (g,) = torch.autograd.grad(chunked_linear_cross_entropy(x, w, t, 4), x)
+    assert torch.isfinite(g).all()

@@ -1017,3 +1017,13 @@ def test_gpu_tiny_gpt_trains_like_nn_linear():
     assert gap < 0.1, gap
     assert tri_m[-1] < ref_m[-1] + 0.02, (tri_m[-1], ref_m[-1])
     assert tri_m[-1] < 0.5 * math.log(vocab)
+
+
+def test_triton_linear_refuses_a_second_derivative():
+    """Its Triton kernels carry no graph: create_graph=True is refused rather than silently wrong."""
+    layer = TritonLinear(16, 24, activation="gelu").to(DEVICE)
+    x = torch.randn(5, 16, device=DEVICE, requires_grad=True)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y = layer(x)
+    with pytest.raises(RuntimeError, match=r"TritonLinear computes first derivatives only.*use_triton\(False\)"):
+        torch.autograd.grad(y.float().sum(), x, create_graph=True)

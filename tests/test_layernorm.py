@@ -329,3 +329,37 @@ def test_gpu_layer_norm_backward_at_gpt2_shape():
     assert rel_err(dx, ref_dx) < 1e-2 and rel_err(dw, ref_dw) < 1e-5 and rel_err(db, ref_db) < 1e-5
     again_dx, again_dwb = layernorm.ln_backward_op(dy, x, mean, rstd, w, dres)
     assert torch.equal(again_dx, dx) and torch.equal(again_dwb, torch.stack([dw, db]))
+
+
+def test_fused_blocks_refuse_a_wrapped_block_or_a_norm_subclass():
+    """A block wrapped by checkpoint_wrapper, or a LayerNorm subclass with its own forward, would
+    not run its own forward in the regrouped loop: refused, with the way out named."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    class ScaledNorm(torch.nn.LayerNorm):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    idx = torch.randint(0, 65, (2, 16), device=DEVICE)
+    wrapped = small_model(torch.float32).set_fused_layer_norm(True)
+    wrapped.transformer.h[1] = checkpoint_wrapper(wrapped.transformer.h[1])
+    subclassed = small_model(torch.float32).set_fused_layer_norm(True)
+    subclassed.transformer.h[0].ln_2.__class__ = ScaledNorm
+    for model, name in ((wrapped, "CheckpointWrapper"), (subclassed, "ScaledNorm")):
+        with pytest.raises(RuntimeError, match=f"holds {name} in their place.*set_fused_layer_norm\\(False\\)"):
+            model(idx, idx)
+        _, loss = model.set_fused_layer_norm(False)(idx, idx)
+        assert torch.isfinite(loss)
+
+
+def test_a_second_derivative_through_the_fused_layer_norm_is_refused(backward_path):
+    """The saved mean and rstd carry no graph, so a second derivative would silently miss their
+    terms: asking the backward pass for a graph fails, and says how to turn the fused form off."""
+    x, dy, dres, w, b, mean, rstd = inputs(6, 32, torch.bfloat16)
+    x.requires_grad_(True)
+    ln = torch.nn.LayerNorm(32, device=DEVICE, dtype=torch.bfloat16)
+    y = layernorm.residual_layer_norm(x, None, ln)
+    with pytest.raises(RuntimeError, match="first derivatives only.*create_graph=True.*set_fused_layer_norm"):
+        torch.autograd.grad((y.float() * dy.float()).sum(), x, create_graph=True)
+    (g,) = torch.autograd.grad((y.float() * dy.float()).sum(), x)  # the first derivative still works
+    assert torch.isfinite(g).all()

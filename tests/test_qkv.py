@@ -240,3 +240,43 @@ def test_gpu_merge_of_sdpa_gradients_at_gpt2_shape():
     # ... and the same through the compiled model path's custom operator
     d_qkv2, db2 = qkv.merge_heads_op(dq, dk, dv, True)
     assert torch.equal(d_qkv2, d_qkv) and torch.equal(db2, db)
+
+
+@pytest.mark.parametrize("where", ["c_attn", "mlp.c_fc", "mlp.act", "mlp.c_proj", "global"])
+def test_a_hook_on_a_fused_layer_runs_on_the_plain_path(where):
+    """The fused attention input and the fused MLP never call c_attn's, c_fc's, act's or c_proj's
+    forward: with a hook there, the layer takes its plain path, the hook runs, and the loss is the
+    plain model's."""
+    torch.manual_seed(3)
+    plain = small_model(torch.bfloat16)
+    model = small_model(torch.bfloat16)
+    model.load_state_dict(plain.state_dict())
+    model.use_triton(True, layers="mlp+qkv")
+    block, calls = model.transformer.h[0], []
+    hook = lambda *a: calls.append(1) and None  # noqa: E731
+    target = {"c_attn": block.attn.c_attn, "mlp.c_fc": block.mlp.c_fc, "mlp.act": block.mlp.act,
+              "mlp.c_proj": block.mlp.c_proj}.get(where)
+    handle = (target.register_forward_hook(hook) if target is not None
+              else torch.nn.modules.module.register_module_forward_hook(hook))
+    try:
+        idx = torch.randint(0, 65, (2, 16), device=DEVICE)
+        _, loss = model(idx, idx)
+        assert calls
+        if where != "global":  # block 1 keeps its fused layers: same sums, other rounding
+            assert abs(loss.item() - plain(idx, idx)[1].item()) < 1e-2
+        else:  # every layer on its plain path: the plain model's loss exactly
+            assert torch.equal(loss, plain(idx, idx)[1])
+    finally:
+        handle.remove()
+
+
+def test_a_second_derivative_through_the_fused_layers_is_refused():
+    """The fused attention input and the fused MLP save tensors without a graph: a second
+    derivative through them is refused rather than silently wrong."""
+    model = small_model(torch.bfloat16).use_triton(True, layers="mlp+qkv")
+    x = torch.randn(2, 16, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    for layer in (model.transformer.h[0].attn, model.transformer.h[0].mlp):
+        with pytest.raises(RuntimeError, match="first derivatives only.*create_graph=True.*use_triton\\(False\\)"):
+            torch.autograd.grad(layer(x).float().square().sum(), x, create_graph=True)
+        (g,) = torch.autograd.grad(layer(x).float().square().sum(), x)  # the first derivative still works
+        assert torch.isfinite(g).all()

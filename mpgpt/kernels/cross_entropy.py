@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mpgpt.fused_loss import rescale_summed_grads, save_summed_grads
+from mpgpt.fused_loss import first_derivative_only, rescale_summed_grads, save_summed_grads
 
 from . import env
 from .env import tl, triton
@@ -176,6 +176,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        first_derivative_only("set_fused_loss", "GPT.set_fused_loss(False)")
         return (*rescale_summed_grads(ctx, grad_out), None, None)
 
 

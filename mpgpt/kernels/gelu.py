@@ -117,7 +117,7 @@ def gelu_backward_bias(grad: torch.Tensor, z: torch.Tensor, config=None) -> tupl
     M, N = g.shape
     interpreted = env.interpreting()
     rows, block_m, block_n, warps = config or (_INTERPRET_BIAS_CONFIG if interpreted else _BIAS_CONFIG)
-    if any(b < 1 or b & (b - 1) for b in (block_m, block_n)) or rows % block_m:
+    if any(b < 1 or b & (b - 1) for b in (block_m, block_n)) or rows < 1 or rows % block_m:
         raise ValueError(f"config: BLOCK_M={block_m} and BLOCK_N={block_n} must be powers of two and ROWS={rows} "
                          "a multiple of BLOCK_M")
     out = torch.empty(g.shape, dtype=torch.float32 if interpreted else g.dtype, device=g.device)

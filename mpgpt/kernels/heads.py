@@ -99,7 +99,7 @@ def merge_heads_bias(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
     B, nh, T, hs = dq.shape
     M, C = B * T, nh * hs
     rows, block_m, warps = config or (_INTERPRET_CONFIG if env.interpreting() else _CONFIG)
-    if block_m < 1 or block_m & (block_m - 1) or rows % block_m:
+    if block_m < 1 or block_m & (block_m - 1) or rows < 1 or rows % block_m:
         raise ValueError(f"config: BLOCK_M={block_m} must be a power of two and ROWS={rows} a multiple of it")
     out = torch.empty((M, 3 * C), dtype=dq.dtype, device=dq.device)
     if M == 0 or C == 0:

@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mpgpt.fused_loss import first_derivative_only
+
 from . import env
 from .env import tl, triton
 from .linear import _compute_dtype, _op
@@ -135,8 +137,8 @@ def _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres=None, config=Non
     rows, block_m, warps = config or (_INTERPRET_CONFIG if env.interpreting() else _CONFIG)
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"config: BLOCK_M={block_m} must be a power of two")
-    if rows % block_m:
-        raise ValueError(f"config: ROWS={rows} must be a multiple of BLOCK_M={block_m}")
+    if rows < 1 or rows % block_m:
+        raise ValueError(f"config: ROWS={rows} must be a positive multiple of BLOCK_M={block_m}")
     if env.interpreting() and torch.bfloat16 in (dy.dtype, x.dtype, weight.dtype, getattr(dres, "dtype", None)):
         # The interpreter keeps bf16 as raw 16-bit integers and its arithmetic on them is wrong: widen first.
         dx, dwb = _layer_norm_backward_packed(dy.float(), x.float(), mean, rstd, weight.float(),
@@ -218,6 +220,7 @@ class _ResidualLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        first_derivative_only("set_fused_layer_norm", "GPT.set_fused_layer_norm(False)")
         x2, mean, rstd, weight = ctx.saved_tensors
         shape, x_dt, branch_dt, w_dt, b_dt = ctx.meta
         d_res, dy = grads if branch_dt is not None else (None, grads[0])
@@ -233,9 +236,10 @@ class _ResidualLayerNormFunction(torch.autograd.Function):
 def residual_layer_norm(x: Tensor, branch: Optional[Tensor], ln: torch.nn.LayerNorm,
                         out_dtype: Optional[torch.dtype] = None):
     """(x + branch, ln(x + branch)) with the backward pass of the module docstring, or ln(x) alone
-    when ``branch`` is None. y comes back in ``out_dtype``; None: autocast's dtype under autocast
-    (what the next matmul multiplies, so the matmul's cast is already done), x's dtype outside it.
-    For an fp32 model outside autocast, exactly the unfused torch ops."""
+    when ``branch`` is None. Under autocast or with 16-bit x, y comes back in ``out_dtype``; None:
+    autocast's dtype under autocast (what the next matmul multiplies, so the matmul's cast is
+    already done), x's dtype outside it. For an fp32 model outside autocast, exactly the unfused
+    torch ops, whose y is fp32 whatever ``out_dtype`` says."""
     if ln.normalized_shape != (x.shape[-1],) or not ln.elementwise_affine:
         raise ValueError(f"residual_layer_norm needs an affine LayerNorm over the last dimension ({x.shape[-1]}), "
                          f"got normalized_shape={ln.normalized_shape}, elementwise_affine={ln.elementwise_affine}")

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpgpt.fused_loss import first_derivative_only
+
 from . import ops
 from .matmul import ACTIVATIONS, _check
 
@@ -99,6 +101,7 @@ def _make_function(device_type: str, amp_decorators: bool = True):
         @staticmethod
         @bwd_deco
         def backward(ctx, grad_out):
+            first_derivative_only("TritonLinear", "GPT.use_triton(False)")
             x2, w_lp, saved = ctx.saved_tensors
             dtype = w_lp.dtype
             g = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)  # (M, out)

@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mpgpt.fused_loss import first_derivative_only
+
 from . import env, gelu, ws
 from .linear import _compute_dtype, _op
 
@@ -114,6 +116,7 @@ class _GeluMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        first_derivative_only("use_triton(layers='mlp')", "GPT.use_triton(False)")
         x2, w_fc_lp, w_proj_lp, y, z = ctx.saved_tensors
         (x_shape, x_dtype), (w_fc_dt, b_fc_dt, w_proj_dt, b_proj_dt) = ctx.shapes, ctx.dtypes
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(w_proj_lp.dtype).contiguous()  # dOut: (M, C)

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mpgpt.fused_loss import first_derivative_only
+
 from . import env, heads
 from .linear import _compute_dtype, _op
 
@@ -73,6 +75,7 @@ class _QKVFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
+        first_derivative_only("use_triton(layers='mlp+qkv')", "GPT.use_triton(False)")
         x2, w_lp = ctx.saved_tensors
         x_shape, x_dtype, w_dt, b_dt = ctx.meta
         dq, dk, dv = (g.to(w_lp.dtype) for g in (dq, dk, dv))
