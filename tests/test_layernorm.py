@@ -52,10 +52,13 @@ def float64_grads(x, dy, w, b, dres):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_res", [True, False])
 @pytest.mark.parametrize("shape,config", [((37, 48), None), ((37, 48), (16, 8, 1)), ((5, 100), (8, 2, 1)),
-                                          ((130, 64), (32, 32, 1)), ((37, 300), (16, 4, 1))])
+                                          ((130, 64), (32, 32, 1)), ((37, 300), (16, 4, 1)),
+                                          ((37, 48), (16, 8, 1, "two-pass")), ((5, 100), (8, 2, 1, "two-pass")),
+                                          ((37, 300), (16, 4, 1, "two-pass")), ((9, 1100), (8, 4, 1, "two-pass"))])
 def test_layer_norm_backward_matches_float64(dtype, with_res, shape, config):
     """Shapes with edges: M not a multiple of the rows per program, C not a power of two (48, 100),
-    several programs whose partial sums the last sum adds; a mean far from zero (shift 3)."""
+    several programs whose partial sums the last sum adds, rows wider than one chunk (300, 1100);
+    a mean far from zero (shift 3). Both kernels: whole rows, and the two passes."""
     x, dy, dres, w, b, mean, rstd = inputs(*shape, dtype, shift=3.0)
     dres = dres if with_res else None
     dx, dw, db = layernorm.layer_norm_backward(dy, x, mean, rstd, w, dres, config=config)
@@ -105,6 +108,10 @@ def test_layer_norm_backward_errors():
         layernorm.layer_norm_backward(dy, x, mean, rstd, w, config=(6, 4, 1))
     with pytest.raises(ValueError, match="power of two"):
         layernorm.layer_norm_backward(dy, x, mean, rstd, w, config=(6, 3, 1))
+    with pytest.raises(ValueError, match="positive multiple"):
+        layernorm.layer_norm_backward(dy, x, mean, rstd, w, config=(0, 4, 1))
+    with pytest.raises(ValueError, match="'whole-rows' or 'two-pass'"):
+        layernorm.layer_norm_backward(dy, x, mean, rstd, w, config=(8, 4, 1, "chunks"))
 
 
 def test_layer_norm_backward_with_no_rows_gives_zeros():
@@ -316,6 +323,21 @@ def test_fused_blocks_refuse_hooks_they_would_skip(where):
 # ----------------------------------------------------------------------------------------------
 # On a GPU
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.sm80
+@pytest.mark.parametrize("config", [(16, 4, 4, "two-pass"), (32, 8, 4, "two-pass"), (16, 8, 8, "two-pass")])
+def test_gpu_two_pass_layer_norm_backward_at_gpt2_shape(config):
+    """The two-pass kernel compiled, at GPT-2's (12288, 768) and a ragged (1000, 1100): the same
+    bounds against float64 as the default kernel (its barrier between the passes is what makes the
+    row sums visible to every thread; a missing one would show here, not in the interpreter)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 Triton kernels need compute capability >= 8.0")
+    for M, C in ((12288, 768), (1000, 1100)):
+        x, dy, dres, w, b, mean, rstd = inputs(M, C, torch.bfloat16, shift=1.0)
+        dx, dw, db = layernorm.layer_norm_backward(dy, x, mean, rstd, w, dres, config=config)
+        ref_dx, ref_dw, ref_db = float64_grads(x, dy, w, b, dres)
+        assert rel_err(dx, ref_dx) < 1e-2 and rel_err(dw, ref_dw) < 1e-5 and rel_err(db, ref_db) < 1e-5
+
+
 @pytest.mark.sm80
 def test_gpu_layer_norm_backward_at_gpt2_shape():
     """GPT-2's (12288, 768) in bf16: dx' within bf16 rounding of float64, dw and db within fp32

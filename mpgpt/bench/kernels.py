@@ -316,7 +316,11 @@ def bench_merge_heads(B=12, T=1024, n_head=12, hs=64):
 # Tile configurations (ROWS, BLOCK_M, num_warps) of layer_norm_backward timed beside its default.
 # (48, 4, 4) is one wave of 256 programs at GPT-2's 12288 rows on 132 multiprocessors (two fit on
 # each): 46.1 against 43.1 us for (32, 4, 4)'s wave and a half (record kernels-layer-norm-h200).
-LAYER_NORM_CONFIGS = [(48, 4, 4), (24, 4, 4), (40, 4, 4), (56, 4, 4), (16, 4, 4), (64, 4, 4), (32, 4, 8)]
+# The "two-pass" kernel holds (BLOCK_M, 256) tiles instead of whole rows: 72 registers a thread
+# instead of 255 (compiled ahead of time for sm_90), so up to seven programs share a multiprocessor.
+LAYER_NORM_CONFIGS = [(48, 4, 4), (16, 4, 4), (64, 4, 4), (32, 4, 8),
+                      (16, 4, 4, "two-pass"), (32, 4, 4, "two-pass"), (8, 4, 4, "two-pass"), (64, 4, 4, "two-pass"),
+                      (16, 8, 8, "two-pass"), (16, 2, 2, "two-pass"), (32, 8, 4, "two-pass")]
 
 
 def bench_layer_norm_backward(M=12288, C=768):

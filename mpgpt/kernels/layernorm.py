@@ -29,6 +29,13 @@ shared memory twice per iteration: 61.2 us, slower than Inductor (record kernels
 Whole rows live in registers, so the kernel suits GPT-2-sized rows (C in the hundreds or low
 thousands); much wider rows still compute correctly but spill.
 
+Whole rows also cost registers: 255 a thread at C = 768 (compiled ahead of time for sm_90), padded
+to 1,024 columns, so only two 4-warp programs fit on a multiprocessor, and the kernel moves its
+bytes at 1.75 TB/s, well below a copy's 4.3. A second kernel (config method "two-pass") holds
+(BLOCK_M, 256) tiles only, 72 registers a thread: it first walks each row for its two sums, then
+the columns chunk by chunk, reading dy and x' a second time (from the L2 cache, if it still holds
+them). It is not the default: it has not yet been timed on a GPU.
+
 The forward pass stays torch ops (`residual_layer_norm`'s autograd Function): Inductor already fuses
 the add, the statistics and the normalisation into one kernel. The Function keeps x', mean and
 rstd for the backward pass, as torch's LayerNorm does. On a CPU, or without Triton, the backward
@@ -102,6 +109,74 @@ def _layer_norm_backward_kernel(
     tl.store(part_ptr + (C + part_cols) * R + pid, tl.sum(acc_b, axis=1), mask=part_ok)
 
 
+@triton.jit
+def _layer_norm_backward_two_pass_kernel(
+    dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, res_ptr, dx_ptr, part_ptr,  # as in the kernel above
+    stat_ptr,               # (2, M) fp32 scratch: [0] mean(g * xhat) and [1] mean(g) of each row
+    M, C, R,
+    HAS_RES: tl.constexpr,
+    ROWS: tl.constexpr,     # rows per program, a multiple of BLOCK_M
+    BLOCK_M: tl.constexpr,  # rows per loop iteration
+    CHUNK: tl.constexpr,    # columns per loop iteration
+):
+    # The same results as the kernel above, with tiles of (BLOCK_M, CHUNK) only: a few registers a
+    # thread instead of whole rows, so more programs share a multiprocessor. The price is a second
+    # read of dy and x' (from the L2 cache if it still holds them). Pass 1 walks each row's chunks for
+    # its two sums and keeps them in `stat`; pass 2 walks the columns chunk by chunk and, for each,
+    # the program's rows: dx' and the element-wise sums for dw and db.
+    pid = tl.program_id(axis=0)
+    r_idx = tl.arange(0, BLOCK_M)
+    c_idx = tl.arange(0, CHUNK)
+    for r in range(0, ROWS, BLOCK_M):                                         # pass 1: row sums
+        rows = pid * ROWS + r + r_idx                                         # (BLOCK_M,)
+        row_ok = rows < M
+        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        s1 = tl.zeros((BLOCK_M, CHUNK), dtype=tl.float32)                     # sum of g * xhat, element-wise
+        s2 = tl.zeros((BLOCK_M, CHUNK), dtype=tl.float32)                     # sum of g
+        for c in range(0, C, CHUNK):
+            cols = c + c_idx
+            mask = row_ok[:, None] & (cols < C)[None, :]                      # (BLOCK_M, CHUNK)
+            offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+            # w read by every row of the tile (from the L1 cache): a (BLOCK_M, CHUNK) load lands in the
+            # tile's own layout, where a (CHUNK,) load would be redistributed through shared memory
+            # each iteration
+            w = tl.load(w_ptr + 0 * rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32) * w
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            s1 += g * tl.where(mask, (x - mean) * rstd, 0.0)
+            s2 += g
+        tl.store(stat_ptr + rows, tl.sum(s1, axis=1) / C, mask=row_ok)
+        tl.store(stat_ptr + M + rows, tl.sum(s2, axis=1) / C, mask=row_ok)
+    tl.debug_barrier()  # every thread's row sums written (and visible) before any thread reads them
+    for c in range(0, C, CHUNK):                                              # pass 2: chunk by chunk
+        cols = c + c_idx                                                      # (CHUNK,)
+        col_ok = cols < C
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_w = tl.zeros((BLOCK_M, CHUNK), dtype=tl.float32)                  # sum of dy * xhat
+        acc_b = tl.zeros((BLOCK_M, CHUNK), dtype=tl.float32)                  # sum of dy
+        for r in range(0, ROWS, BLOCK_M):
+            rows = pid * ROWS + r + r_idx
+            row_ok = rows < M
+            mask = row_ok[:, None] & col_ok[None, :]
+            offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)[:, None]
+            rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)[:, None]
+            c1 = tl.load(stat_ptr + rows, mask=row_ok, other=0.0)[:, None]
+            c2 = tl.load(stat_ptr + M + rows, mask=row_ok, other=0.0)[:, None]
+            xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+            dx = (dy * w - c2 - xhat * c1) * rstd
+            if HAS_RES:
+                dx += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            acc_w += dy * xhat
+            acc_b += dy
+        tl.store(part_ptr + cols * R + pid, tl.sum(acc_w, axis=0), mask=col_ok)
+        tl.store(part_ptr + (C + cols) * R + pid, tl.sum(acc_b, axis=0), mask=col_ok)
+
+
 # (ROWS, BLOCK_M, num_warps) on a GPU: the fastest of ten in a sweep at GPT-2's (12288, 768) on the
 # H200 (record kernels-layer-norm-h200), and again of eight in a second sweep (one wave of programs
 # at (48, 4, 4) was slower, 46.1 against 43.1 us; record kernels-layer-norm-one-sum-h200). The
@@ -118,7 +193,9 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weigh
 
     dy, x, dres: (M, C) each; mean, rstd: (M,) fp32; weight: (C,). dx': a new contiguous (M, C)
     tensor in x's dtype; dw, db: (C,) fp32 (the two rows of one (2, C) tensor). `config`
-    (ROWS, BLOCK_M, num_warps) overrides the tile sizes, for benchmarks."""
+    (ROWS, BLOCK_M, num_warps[, method]) overrides the tile sizes, for benchmarks; method
+    "whole-rows" (the default kernel) or "two-pass" (the second kernel: row sums first, then the
+    columns chunk by chunk)."""
     dx, dwb = _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres, config)
     return dx, dwb[0], dwb[1]
 
@@ -134,7 +211,10 @@ def _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres=None, config=Non
         raise ValueError(f"mean and rstd must be ({M},) and weight ({C},), got {tuple(mean.shape)}, "
                          f"{tuple(rstd.shape)} and {tuple(weight.shape)}")
     env.check_device(x)
-    rows, block_m, warps = config or (_INTERPRET_CONFIG if env.interpreting() else _CONFIG)
+    rows, block_m, warps, *method = config or (_INTERPRET_CONFIG if env.interpreting() else _CONFIG)
+    method = method[0] if method else "whole-rows"
+    if method not in ("whole-rows", "two-pass"):
+        raise ValueError(f"config: the method must be 'whole-rows' or 'two-pass', got {method!r}")
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"config: BLOCK_M={block_m} must be a power of two")
     if rows < 1 or rows % block_m:
@@ -142,7 +222,7 @@ def _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres=None, config=Non
     if env.interpreting() and torch.bfloat16 in (dy.dtype, x.dtype, weight.dtype, getattr(dres, "dtype", None)):
         # The interpreter keeps bf16 as raw 16-bit integers and its arithmetic on them is wrong: widen first.
         dx, dwb = _layer_norm_backward_packed(dy.float(), x.float(), mean, rstd, weight.float(),
-                                              None if dres is None else dres.float(), (rows, block_m, warps))
+                                              None if dres is None else dres.float(), (rows, block_m, warps, method))
         return dx.to(x.dtype), dwb
     dy, x = dy.contiguous(), x.contiguous()
     dres = dres.contiguous() if dres is not None else None
@@ -152,10 +232,16 @@ def _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres=None, config=Non
     R = triton.cdiv(M, rows)
     part = torch.empty((2, C, R), dtype=torch.float32, device=x.device)  # each column's partial sums side by side
     chunk = min(_CHUNK, triton.next_power_of_2(C))
-    _layer_norm_backward_kernel[(R,)](dy, x, mean.float().contiguous(), rstd.float().contiguous(), weight.contiguous(),
-                                      dres if dres is not None else x, dx, part, M, C, R, HAS_RES=dres is not None,
-                                      ROWS=rows, BLOCK_M=block_m, CHUNK=chunk,
-                                      NCHUNK=triton.next_power_of_2(triton.cdiv(C, chunk)), num_warps=warps)
+    args = (dy, x, mean.float().contiguous(), rstd.float().contiguous(), weight.contiguous(),
+            dres if dres is not None else x, dx, part)
+    if method == "two-pass":
+        stat = torch.empty((2, M), dtype=torch.float32, device=x.device)
+        _layer_norm_backward_two_pass_kernel[(R,)](*args, stat, M, C, R, HAS_RES=dres is not None, ROWS=rows,
+                                                   BLOCK_M=block_m, CHUNK=chunk, num_warps=warps)
+    else:
+        _layer_norm_backward_kernel[(R,)](*args, M, C, R, HAS_RES=dres is not None, ROWS=rows, BLOCK_M=block_m,
+                                          CHUNK=chunk, NCHUNK=triton.next_power_of_2(triton.cdiv(C, chunk)),
+                                          num_warps=warps)
     return dx, part.sum(2)  # (2, C): dw and db, one launch over contiguous rows of R partial sums
 
 
