@@ -333,20 +333,20 @@ class GPT(nn.Module):
         block): one `mpgpt.kernels.layernorm.residual_layer_norm` per pair."""
         add_ln = self.fused_layer_norm
         blocks = self.transformer.h
-        skipped = [*blocks, self.transformer.ln_f, *(ln for b in blocks for ln in (b.ln_1, b.ln_2))]
-        if any(_has_hooks(m) for m in skipped) or _has_hooks(None):
-            # The regrouped loop never calls Block.forward or the LayerNorms' forward, so their
-            # hooks (FSDP2's fully_shard registers one on each block) would silently not run.
-            raise RuntimeError("set_fused_layer_norm skips Block.forward and LayerNorm.forward, and hooks are "
-                               "registered on them (FSDP2's fully_shard adds some); call set_fused_layer_norm(False)")
-        # Nor would a block's or a norm's own forward run: a wrapper (checkpoint_wrapper replaces each
-        # block with one), a subclass, or another kind of norm put in place of nn.LayerNorm.
-        odd = [type(m).__name__ for m in blocks if type(m).forward is not Block.forward]
-        odd += [type(m).__name__ for m in skipped[len(blocks):] if type(m).forward is not nn.LayerNorm.forward]
+        # The regrouped loop never calls Block.forward or the LayerNorms' forward. So a module whose
+        # own forward would then not run is refused: a wrapper (checkpoint_wrapper replaces each block
+        # with one), a subclass, or another kind of norm in nn.LayerNorm's place.
+        odd = [type(b).__name__ for b in blocks if type(b).forward is not Block.forward]
+        norms = [self.transformer.ln_f] + ([ln for b in blocks for ln in (b.ln_1, b.ln_2)] if not odd else [])
+        odd += [type(ln).__name__ for ln in norms if type(ln).forward is not nn.LayerNorm.forward]
         if odd:
             raise RuntimeError(f"set_fused_layer_norm regroups Block.forward and nn.LayerNorm.forward, but the model "
                                f"holds {odd[0]} in their place, whose own forward would not run; call "
                                "set_fused_layer_norm(False)")
+        # Nor would their hooks run (FSDP2's fully_shard registers one on each block).
+        if any(_has_hooks(m) for m in [*blocks, *norms]) or _has_hooks(None):
+            raise RuntimeError("set_fused_layer_norm skips Block.forward and LayerNorm.forward, and hooks are "
+                               "registered on them (FSDP2's fully_shard adds some); call set_fused_layer_norm(False)")
         y = add_ln(x, None, blocks[0].ln_1)  # (B, T, C)
         for i, block in enumerate(blocks):
             x, y = add_ln(x, block.attn(y), block.ln_2)  # x + attn(ln_1(x)), and its ln_2
