@@ -96,6 +96,6 @@ def test_the_ladder_is_one_change_per_rung_and_expands_from_its_name():
         assert len(changed) == 1 or changed == {"optim16", "fused_clip"}, f"{before} -> {after} changes {sorted(changed)}"
 
 
-def test_the_ladder_is_refused_nowhere_and_an_unknown_name_still_is(capsys, tmp_path):
+def test_an_unknown_name_beside_the_ladder_is_still_refused_up_front(capsys, tmp_path):
     assert training.main(["--configs", "ladder,bf16+nonsense", "--out-dir", str(tmp_path)]) == 2
     assert "bf16+nonsense" in capsys.readouterr().err

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from mpgpt.kernels import env, layernorm
 from compile_check import assert_compiles_like_eager
+from path_check import assert_took, take_path
 from test_mlp import rel_err, small_model  # the same norm-relative error and tiny model
 from test_model import assert_same_loss_and_gradients
 
@@ -128,20 +129,10 @@ def backward_path(request, monkeypatch):
     """The backward as torch ops or as the Triton pass. A GPU takes the Triton pass by itself; on a
     CPU it is forced here, and runs in Triton's interpreter. Spies on both check that the path
     named, and only it, is taken."""
-    calls = {"triton": [], "torch": []}
-    if request.param == "triton":
-        if DEVICE == "cpu":
-            monkeypatch.setattr(layernorm, "_triton_backward", lambda *t: True)
-        elif not layernorm._triton_backward(torch.empty(1, device=DEVICE, dtype=torch.bfloat16)):
-            pytest.skip("bf16 Triton kernels need compute capability >= 8.0")
-    elif DEVICE == "cuda":
-        monkeypatch.setattr(layernorm, "_triton_backward", lambda *t: False)
-    for path, name in (("triton", "_layer_norm_backward_packed"), ("torch", "layer_norm_backward_reference")):
-        fn = getattr(layernorm, name)
-        monkeypatch.setattr(layernorm, name, lambda *a, _f=fn, _c=calls[path], **kw: _c.append(a) or _f(*a, **kw))
+    calls = take_path(request.param, monkeypatch, DEVICE, layernorm, "_triton_backward", layernorm,
+                      "_layer_norm_backward_packed", "layer_norm_backward_reference")
     yield request.param
-    other = "torch" if request.param == "triton" else "triton"
-    assert calls[request.param] and not calls[other]
+    assert_took(calls, request.param)
 
 
 def make_ln(C, dtype, bias=True):

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from mpgpt.kernels import env, heads, qkv
 from compile_check import assert_compiles_like_eager
+from path_check import assert_took, take_path
 from test_mlp import rel_err, small_model  # the same norm-relative error and tiny model
 from test_model import assert_same_loss_and_gradients
 
@@ -92,20 +93,10 @@ def merge_path(request, monkeypatch):
     """The merge as torch ops or as the Triton pass. A GPU takes the Triton pass by itself (with a
     bias); on a CPU it is forced here, and runs in Triton's interpreter. Spies on both check that
     the path named, and only it, is taken."""
-    calls = {"triton": [], "torch": []}
-    if request.param == "triton":
-        if DEVICE == "cpu":
-            monkeypatch.setattr(qkv, "_triton_merge", lambda t: True)
-        elif not qkv._triton_merge(torch.empty(1, device=DEVICE, dtype=torch.bfloat16)):
-            pytest.skip("bf16 Triton kernels need compute capability >= 8.0")
-    elif DEVICE == "cuda":
-        monkeypatch.setattr(qkv, "_triton_merge", lambda t: False)
-    for path, name in (("triton", "merge_heads_bias"), ("torch", "merge_heads_reference")):
-        fn = getattr(heads, name)
-        monkeypatch.setattr(heads, name, lambda *a, _f=fn, _c=calls[path], **kw: _c.append(a) or _f(*a, **kw))
+    calls = take_path(request.param, monkeypatch, DEVICE, qkv, "_triton_merge", heads, "merge_heads_bias",
+                      "merge_heads_reference")
     yield request.param
-    other = "torch" if request.param == "triton" else "triton"
-    assert calls[request.param] and not calls[other]
+    assert_took(calls, request.param)
 
 
 def params(C, dtype, device=DEVICE):
