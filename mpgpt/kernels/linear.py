@@ -6,11 +6,12 @@ Forward is one `matmul` launch with the bias and activation fused into its epilo
 runs the two gradient GEMMs through the same kernel, reading transposed operands in place
 (strided views, no copies):
 
-    dZ = dY * act'(Z)             (M, out)   elementwise, in fp32 (GELU: one Triton pass, gelu.py)
+    dZ = dY * act'(Z)             (M, out)   elementwise, in fp32 (GELU: one Triton pass, gelu.py,
+                                             which also sums dZ's columns for db)
     dX = dZ @ W                   (M, in)    Triton
     dW = dZ^T @ X                 (out, in)  Triton: dZ^T is dZ with its strides swapped; split
                                              along K (= tokens) when out x in is too few tiles
-    db = sum over rows of dZ      (out,)
+    db = sum over rows of dZ      (out,)     beside dZ in GELU's pass; otherwise one torch sum
 
 Which dtype runs, so the layer is a drop-in for nn.Linear in every setting the course uses:
 * under `torch.autocast(device_type, dtype)`: x, W and b are cast to the autocast dtype, like
@@ -105,8 +106,12 @@ def _make_function(device_type: str, amp_decorators: bool = True):
             x2, w_lp, saved = ctx.saved_tensors
             dtype = w_lp.dtype
             g = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)  # (M, out)
+            want_db = ctx.has_bias and ctx.needs_input_grad[2]
+            db32 = None
             if ctx.activation == "gelu":
-                g = _op(ops.gelu_backward, ops.gelu_backward_impl)(g, saved)  # dZ: one Triton pass (gelu.py)
+                # dZ, and with a bias its column sums, in one Triton pass (gelu.py)
+                g, db32 = _op(ops.gelu_backward, ops.gelu_backward_impl)(g, saved, want_db)
+                db32 = db32 if want_db else None
             elif ctx.activation == "relu":
                 g = g * (saved > 0)  # exact in any dtype
             if not g.is_contiguous():
@@ -119,8 +124,10 @@ def _make_function(device_type: str, amp_decorators: bool = True):
                 # fp32 accumulator written straight to the weight's dtype (fp32 master weights).
                 # (out, M) @ (M, in): g.t() is a strided view.
                 dw = mm(g.t(), x2, ctx.w_dtype if ctx.w_dtype == torch.float32 else dtype)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                db = g.sum(0, dtype=torch.float32).to(ctx.b_dtype)  # fp32 sum, no fp32 copy of g
+            if want_db:
+                if db32 is None:
+                    db32 = g.sum(0, dtype=torch.float32)  # fp32 sum, no fp32 copy of g
+                db = db32.to(ctx.b_dtype)
             return dx, dw, db, None, None
 
     _TritonLinearFunction.__name__ = f"TritonLinearFunction_{device_type}" + ("" if amp_decorators else "_compiled")

@@ -13,7 +13,8 @@ running anything. At run time the box runs our Python as usual, including the le
 The operators (namespace `mpgpt`):
     linear_forward(x2, w, bias, activation, keep_z) -> (y, z)   y = act(x2 @ w.T + bias), z its input
     matmul(a, b, out_dtype) -> a @ b                             the two gradient GEMMs
-    gelu_backward(grad, z) -> grad * gelu'(z)
+    gelu_backward(grad, z, with_bias) -> (dz, db)                dz = grad * gelu'(z); with_bias: db = dz
+                                                                 summed over rows, in the same pass
 
 `linear.py` calls them only while torch.compile traces (`torch.compiler.is_compiling()`). In
 eager mode it calls the same Python directly, because each trip through the dispatcher costs
@@ -26,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .gelu import gelu_backward as gelu_backward_impl
+from . import gelu
 from .matmul import _matmul_2d
 
 
@@ -47,6 +48,16 @@ def matmul_impl(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
     return out
 
 
+def gelu_backward_impl(grad: Tensor, z: Tensor, with_bias: bool) -> tuple[Tensor, Tensor]:
+    """(dz, db): dz = grad * gelu'(z) in grad's dtype, grad and z (M, N). With with_bias, db is dz
+    summed over the rows, (N,) fp32, made while each tile of dz is still in registers
+    (`gelu.gelu_backward_bias`): a separate `dz.sum(0)` would read all of dz again. Without it, db
+    is an empty fp32 tensor and dz comes from the one-dimensional kernel (`gelu.gelu_backward`)."""
+    if with_bias:
+        return gelu.gelu_backward_bias(grad, z)
+    return gelu.gelu_backward(grad, z), grad.new_empty(0, dtype=torch.float32)
+
+
 linear_forward = torch.library.custom_op("mpgpt::linear_forward", mutates_args=())(linear_forward_impl)
 matmul = torch.library.custom_op("mpgpt::matmul", mutates_args=())(matmul_impl)
 gelu_backward = torch.library.custom_op("mpgpt::gelu_backward", mutates_args=())(gelu_backward_impl)
@@ -64,5 +75,6 @@ def _(a, b, out_dtype):
 
 
 @gelu_backward.register_fake
-def _(grad, z):
-    return torch.empty_like(grad, memory_format=torch.contiguous_format)
+def _(grad, z, with_bias):
+    return (torch.empty_like(grad, memory_format=torch.contiguous_format),
+            grad.new_empty((grad.shape[1],) if with_bias else (0,), dtype=torch.float32))
