@@ -196,7 +196,7 @@ def bench_fused(kernels, M=12288, K=768, N=3072):
 
 
 # Tile configurations (ROWS, BLOCK_M, BLOCK_N, num_warps) of gelu_backward_bias timed beside its default.
-GELU_BACKWARD_CONFIGS = [(128, 32, 128, 4), (64, 64, 64, 4), (256, 64, 64, 4), (128, 64, 32, 4),
+GELU_BACKWARD_CONFIGS = [(128, 32, 128, 4), (128, 64, 64, 4), (256, 64, 64, 4), (128, 64, 32, 4),
                          (128, 32, 64, 4), (32, 32, 64, 4), (16, 16, 64, 4), (64, 32, 64, 2), (128, 128, 64, 8)]
 
 

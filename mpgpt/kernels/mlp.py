@@ -16,8 +16,9 @@ GPT-2's c_fc shape (95.9 against 92.5 us, do_bench on the H200):
 
 Unfused, GELU's backward and c_fc's bias gradient are two passes (Inductor's pointwise kernel,
 then a column reduction that reads dZ again): 0.75 + 0.27 ms of the step. `gelu_backward_bias`
-sums the columns while each tile of dZ is still in registers: 78.5 against 89.1 us per block on
-the H200 (record kernels-gelu-backward-h200). On a CPU, or without Triton, the same two lines
+sums the columns while each tile of dZ is still in registers: 74.3 against 89.1 us per block on
+the H200 (record kernels-gelu-backward-h200, at the tiles gelu.py now uses; the training records
+ran an earlier default, 78.5 us). On a CPU, or without Triton, the same two lines
 run as torch ops.
 
 GELU's backward stays out of the matmul on purpose. Fused into the epilogue of dOut W_proj (as
