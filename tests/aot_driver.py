@@ -18,7 +18,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from mpgpt.kernels import cross_entropy, fp8_matmul, gelu, grouped  # noqa: E402
+from mpgpt.kernels import cross_entropy, fp8_matmul, gelu, grouped, heads, layernorm  # noqa: E402
 
 POINTERS = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "z_ptr"]
 INTS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
@@ -56,6 +56,42 @@ def compile_cross_entropy(cc: int, dtype: str) -> dict:
                                        constexprs=constexprs)
     kernel = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=cross_entropy._NUM_WARPS))
     return {"shared": kernel.metadata.shared}
+
+
+def compile_column_sums(cc: int, dtype: str, kernel: str) -> dict:
+    """The one-pass backward kernels that sum columns beside their main output, at their GPU
+    tiles for GPT-2 small (C = 768, 12 heads of 64): GELU's backward with the bias sums, the
+    attention's head merge, and LayerNorm's backward (whole rows, and the two-pass kernel behind a
+    barrier)."""
+    t, f32 = f"*{dtype}", "*fp32"
+    if kernel == "gelu_backward_bias":
+        rows, block_m, block_n, warps = gelu._BIAS_CONFIG
+        fn, constexprs = gelu._gelu_backward_bias_kernel, dict(ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n)
+        signature = dict(g_ptr=t, z_ptr=t, out_ptr=t, part_ptr=f32, M="i32", N="i32", R="i32")
+    elif kernel == "merge_heads":
+        rows, block_m, warps = heads._CONFIG
+        fn, constexprs = heads._merge_heads_sum_kernel, dict(ROWS=rows, BLOCK_M=block_m, BLOCK_D=64)
+        signature = dict(q_ptr=t, k_ptr=t, v_ptr=t, out_ptr=t, part_ptr=f32,
+                         **{n: "i32" for n in ("M", "T", "HS", "NH", "R", "s_b", "s_h", "s_t", "s_d")})
+    else:
+        two_pass = kernel == "layer_norm_two_pass"
+        rows, block_m, warps = (16, 4, 4) if two_pass else layernorm._CONFIG
+        fn = layernorm._layer_norm_backward_two_pass_kernel if two_pass else layernorm._layer_norm_backward_kernel
+        constexprs = dict(HAS_RES=True, ROWS=rows, BLOCK_M=block_m, CHUNK=layernorm._CHUNK)
+        if not two_pass:
+            constexprs["NCHUNK"] = 4  # C = 768 in chunks of 256, padded to a power of two
+        signature = dict(dy_ptr=t, x_ptr=t, mean_ptr=f32, rstd_ptr=f32, w_ptr=f32, res_ptr=t, dx_ptr=t,
+                         part_ptr=f32, **(dict(stat_ptr=f32) if two_pass else {}), M="i32", C="i32", R="i32")
+    signature |= {name: "constexpr" for name in constexprs}
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=warps))
+    # Barriers the kernel itself asks for (tl.debug_barrier: `gpu.barrier`, or `ttg.barrier` in newer
+    # Triton), before the compiler adds its own for reductions through shared memory.
+    return {"shared": compiled.metadata.shared,
+            "barriers": sum("barrier" in line for line in compiled.asm["ttir"].splitlines())}
+
+
+COLUMN_SUM_KERNELS = ("gelu_backward_bias", "merge_heads", "layer_norm", "layer_norm_two_pass")
 
 
 FP8_POINTERS = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32",
@@ -150,6 +186,11 @@ def main(targets) -> dict:
         for dtype in ("fp16", "bf16") if cc >= 80 else ("fp16",):
             out["results"].append({"cc": cc, "kernel": "cross_entropy", "dtype": dtype, "config": "-",
                                    **attempt(compile_cross_entropy, cc, dtype)})
+    # The one-pass backward kernels of chapter 7's fastest step: fp16 on a T4, bf16 on Hopper.
+    for cc, dtype in ((75, "fp16"), (90, "bf16")):
+        for kernel in COLUMN_SUM_KERNELS:
+            out["results"].append({"cc": cc, "kernel": kernel, "dtype": dtype, "config": "gpu default",
+                                   **attempt(compile_column_sums, cc, dtype, kernel)})
     # The fp8 GEMMs on the GPUs that have fp8 tensor cores: the L4 (pointer kernel), Hopper (TMA).
     out["results"].append({"cc": 89, "kernel": "fp8_matmul", "dtype": "fp8", "config": "smallest",
                            **attempt(compile_fp8, 89, "fp8_matmul")})

@@ -60,6 +60,20 @@ def test_the_fused_cross_entropy_kernel_compiles(compiled, cc, dtype):
     assert record["shared"] <= SHARED_PER_BLOCK[cc]  # the row reductions' scratch space
 
 
+@pytest.mark.parametrize("cc,dtype", [(75, "fp16"), (90, "bf16")])
+@pytest.mark.parametrize("kernel", ["gelu_backward_bias", "merge_heads", "layer_norm", "layer_norm_two_pass"])
+def test_the_one_pass_backward_kernels_compile(compiled, cc, dtype, kernel):
+    """GELU's backward with the bias sums, the head merge and LayerNorm's two backward kernels, at
+    their GPU tiles: they run in the interpreter on a CPU, which never compiles them, so a construct
+    only the compiler rejects would otherwise first fail on the learner's GPU. The two-pass kernel
+    must keep its barrier between the row sums and the columns (other threads read what it wrote);
+    the others need none of their own."""
+    record = compiled[cc, kernel, dtype]
+    assert record["ok"], record.get("error")
+    assert record["shared"] <= SHARED_PER_BLOCK[cc]
+    assert (record["barriers"] > 0) == (kernel == "layer_norm_two_pass"), record
+
+
 @pytest.mark.parametrize("cc,kernel", [(89, "fp8_matmul"), (90, "fp8_matmul_tma")])
 def test_the_fp8_gemms_compile_for_fp8_tensor_cores(compiled, cc, kernel):
     """fp8 output, rowwise scales and promotion: the epilogue both kernels share, compiled for the L4

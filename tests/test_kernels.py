@@ -302,6 +302,45 @@ def test_gelu_backward_bias_errors():
         kernels.gelu_backward_bias(g, g, config=(48, 32, 64, 1))
     with pytest.raises(ValueError, match="powers of two"):
         kernels.gelu_backward_bias(g, g, config=(48, 48, 64, 1))
+    with pytest.raises(ValueError, match="num_warps must be a power of two"):
+        kernels.gelu_backward_bias(g, g, config=(64, 64, 64, 3))
+    with pytest.raises(ValueError, match=r"config must be \(ROWS, BLOCK_M, BLOCK_N, num_warps\)"):
+        kernels.gelu_backward_bias(g, g, config=(64, 64, 64))
+
+
+class _GridSpy:
+    """Stands in for a Triton kernel: records the grid of each launch and runs nothing."""
+
+    def __init__(self):
+        self.grids = []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return lambda *args, **kwargs: None
+
+
+def _fits_cuda_grid(grid) -> bool:
+    """CUDA launches at most 2^31 - 1 programs along the grid's first axis, 65535 along the others."""
+    return grid[0] < 2**31 and all(g <= 65535 for g in grid[1:])
+
+
+def test_column_sum_kernels_launch_within_cuda_grid_limits(monkeypatch):
+    """GELU's backward with the bias sums and the head merge put one program per row group: with
+    millions of rows (a layer of small width over a long batch) that must stay a grid CUDA can
+    launch. The interpreter enforces no limit, so the grid is checked, not run."""
+    from mpgpt.kernels import gelu, heads
+    M = 70_000 * 128  # more row groups than 65535 at the GPU's and the interpreter's ROWS
+    spy = _GridSpy()
+    monkeypatch.setattr(gelu, "_gelu_backward_bias_kernel", spy)
+    g = torch.zeros(M, 1, device=DEVICE)
+    gelu.gelu_backward_bias(g, g)
+    gelu.gelu_backward_bias(g, g, config=gelu._BIAS_CONFIG)
+    monkeypatch.setattr(heads, "_merge_heads_sum_kernel", spy)
+    d = torch.zeros(1, 1, M, 1, device=DEVICE)
+    heads.merge_heads_bias(d, d, d)
+    heads.merge_heads_bias(d, d, d, config=heads._CONFIG)
+    assert len(spy.grids) == 4
+    assert all(_fits_cuda_grid(grid) for grid in spy.grids), spy.grids
 
 
 def test_gelu_backward_bias_edge_inputs():
@@ -438,14 +477,47 @@ def test_triton_linear_autocast_forward_and_backward(activation):
     assert rel_err(lin.bias.grad, db) < 1e-2
 
 
-@pytest.mark.parametrize("activation,use_bias", [("gelu", True), (None, False)])
+@pytest.mark.parametrize("bias_grad", [True, False])
+def test_triton_linear_gelu_backward_sums_the_bias_in_its_own_pass(bias_grad, monkeypatch):
+    """With GELU and a bias that needs its gradient, dZ and db come from one pass
+    (gelu_backward_bias); a frozen bias takes the plain pass and no db is made."""
+    from mpgpt.kernels import gelu
+    calls = []
+    for name in ("gelu_backward", "gelu_backward_bias"):
+        real = getattr(gelu, name)
+        monkeypatch.setattr(gelu, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    layer = TritonLinear(24, 40, activation="gelu").to(DEVICE)
+    layer.bias.requires_grad_(bias_grad)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y = layer(torch.randn(5, 24, device=DEVICE))
+    y.float().sum().backward()
+    assert calls == (["gelu_backward_bias"] if bias_grad else ["gelu_backward"])
+    assert (layer.bias.grad is not None) == bias_grad and layer.weight.grad is not None
+
+
+def test_triton_linear_operators_pass_torch_opcheck():
+    """torch.library.opcheck on TritonLinear's three custom operators: schema, fake (meta)
+    implementation against the real one, no aliasing."""
+    from mpgpt.kernels import ops
+    x, w, b = rand(10, 32), rand(48, 32), rand(48)
+    torch.library.opcheck(ops.linear_forward, (x, w, b, "gelu", True))
+    torch.library.opcheck(ops.linear_forward, (x, w, None, None, False))
+    torch.library.opcheck(ops.matmul, (x, w.t(), torch.float32))
+    g, z = rand(10, 48), rand(10, 48)
+    torch.library.opcheck(ops.gelu_backward, (g, z, True))
+    torch.library.opcheck(ops.gelu_backward, (g, z, False))
+
+
+@pytest.mark.parametrize("activation,use_bias", [("gelu", True), (None, False), ("gelu", "frozen")])
 def test_triton_linear_compiles_in_one_graph(activation, use_bias):
     """torch.compile traces TritonLinear under autocast without a graph break (its kernels are
     custom operators, ops.py) and the compiled forward and backward give exactly eager's
     numbers. Backend aot_eager: Dynamo and AOTAutograd trace as they do for inductor, then the
     graph runs op by op, so this also runs on a CPU."""
     torch.manual_seed(0)
-    layer = TritonLinear(64, 96, bias=use_bias, activation=activation).to(DEVICE)
+    layer = TritonLinear(64, 96, bias=bool(use_bias), activation=activation).to(DEVICE)
+    if use_bias == "frozen":  # GELU's backward without the bias sums
+        layer.bias.requires_grad_(False)
     x = torch.randn(4, 8, 64, device=DEVICE, requires_grad=True)
 
     def loss_fn(x):
@@ -461,7 +533,7 @@ def test_triton_linear_compiles_in_one_graph(activation, use_bias):
         layer.zero_grad(set_to_none=True)
         loss = fn(x)
         loss.backward()
-        grads.append([loss.detach(), x.grad] + [p.grad for p in layer.parameters()])
+        grads.append([loss.detach(), x.grad] + [p.grad for p in layer.parameters() if p.requires_grad])
     for eager, compiled in zip(*grads):
         assert torch.equal(eager, compiled)
 

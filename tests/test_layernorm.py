@@ -97,6 +97,16 @@ def test_the_custom_operators_pass_torch_opcheck(path, monkeypatch):
     torch.library.opcheck(qkv.merge_heads_op, (dq, dk, dv, False))
 
 
+@pytest.mark.parametrize("config,match", [((16, 4, "two-pass"), "num_warps must be a power of two"),
+                                          ((16, 4, 4, "two-pass", 1), r"config must be \(ROWS, BLOCK_M"),
+                                          ((16, 4), r"config must be \(ROWS, BLOCK_M")])
+def test_a_misplaced_config_field_is_refused(config, match):
+    """A method left in the num_warps slot would otherwise run the whole-rows kernel silently."""
+    x, dy, dres, w, b, mean, rstd = inputs(8, 48, torch.float32)
+    with pytest.raises(ValueError, match=match):
+        layernorm.layer_norm_backward(dy, x, mean, rstd, w, dres, config=config)
+
+
 def test_layer_norm_backward_errors():
     x, dy, dres, w, b, mean, rstd = inputs(6, 8, torch.float32)
     with pytest.raises(ValueError, match="one shape"):

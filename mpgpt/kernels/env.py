@@ -216,3 +216,22 @@ def runs_compiled(t: torch.Tensor) -> bool:
     if TRITON_IMPORT_ERROR is not None or interpreting() or not t.is_cuda:
         return False
     return capability(t.device) >= ((8, 0) if t.dtype == torch.bfloat16 else (7, 0))
+
+
+def tile_config(config, default: tuple, names: tuple[str, ...], optional: int = 0) -> tuple:
+    """A kernel's tile configuration: `config` checked, or `default` when it is None.
+
+    `names` are its fields in order, the last `optional` of which may be left out; a field named
+    num_warps must be a power of two from 1 to 32 (the threads of one program). The kernels'
+    benchmarks pass configs by hand, and a value in the wrong place would otherwise run another
+    kernel or another layout without a word."""
+    if config is None:
+        return tuple(default)
+    config = tuple(config)
+    if not len(names) - optional <= len(config) <= len(names):
+        raise ValueError(f"config must be ({', '.join(names)}), the last {optional} optional; got {config!r}")
+    for name, value in zip(names, config):
+        if name == "num_warps" and (not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 32
+                                    or value & (value - 1)):
+            raise ValueError(f"config: num_warps must be a power of two from 1 to 32, got {value!r} in {config!r}")
+    return config

@@ -74,8 +74,13 @@ def _gelu_backward_bias_kernel(
     BLOCK_M: tl.constexpr,  # rows per loop iteration
     BLOCK_N: tl.constexpr,  # columns per program
 ):
-    pid_n = tl.program_id(axis=0)
-    pid_r = tl.program_id(axis=1)
+    # One grid axis, column blocks fastest (so the programs running at once cover whole rows):
+    # CUDA caps the second and third grid axes at 65535 programs, which row groups would pass
+    # beyond a few million rows.
+    pid = tl.program_id(axis=0)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    pid_n = pid % n_blocks
+    pid_r = pid // n_blocks
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                        # (BLOCK_N,)
     col_ok = cols < N
     # Summed element by element across iterations and over the rows only once at the end: a sum
@@ -117,7 +122,8 @@ def gelu_backward_bias(grad: torch.Tensor, z: torch.Tensor, config=None) -> tupl
     g, zc = grad.contiguous(), z.contiguous()
     M, N = g.shape
     interpreted = env.interpreting()
-    rows, block_m, block_n, warps = config or (_INTERPRET_BIAS_CONFIG if interpreted else _BIAS_CONFIG)
+    rows, block_m, block_n, warps = env.tile_config(config, _INTERPRET_BIAS_CONFIG if interpreted else _BIAS_CONFIG,
+                                                    ("ROWS", "BLOCK_M", "BLOCK_N", "num_warps"))
     if any(b < 1 or b & (b - 1) for b in (block_m, block_n)) or rows < 1 or rows % block_m:
         raise ValueError(f"config: BLOCK_M={block_m} and BLOCK_N={block_n} must be powers of two and ROWS={rows} "
                          "a multiple of BLOCK_M")
@@ -127,7 +133,7 @@ def gelu_backward_bias(grad: torch.Tensor, z: torch.Tensor, config=None) -> tupl
     part = torch.empty((N, R), dtype=torch.float32, device=g.device)
     if M == 0 or N == 0:
         return out.to(g.dtype), torch.zeros(N, dtype=torch.float32, device=g.device)
-    grid = (triton.cdiv(N, block_n), R)
+    grid = (triton.cdiv(N, block_n) * R,)  # program j + i * (column blocks): see the kernel
     _gelu_backward_bias_kernel[grid](g, zc, out, part, M, N, R, ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n,
                                      num_warps=warps)
     return out.to(g.dtype), part.sum(1)

@@ -47,8 +47,10 @@ def _merge_heads_sum_kernel(
     BLOCK_M: tl.constexpr,  # rows per loop iteration
     BLOCK_D: tl.constexpr,  # a power of two >= HS: one program covers one whole head
 ):
-    pid = tl.program_id(axis=0)                                             # source * NH + head
-    pid_r = tl.program_id(axis=1)
+    # One grid axis, (source, head) fastest: CUDA caps the second grid axis at 65535 programs,
+    # which row groups would pass beyond a few million tokens.
+    pid = tl.program_id(axis=0) % (3 * NH)                                  # source * NH + head
+    pid_r = tl.program_id(axis=0) // (3 * NH)
     s, h = pid // NH, pid % NH
     if s == 0:
         src_ptr = q_ptr
@@ -98,7 +100,8 @@ def merge_heads_bias(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
     env.check_device(dq)
     B, nh, T, hs = dq.shape
     M, C = B * T, nh * hs
-    rows, block_m, warps = config or (_INTERPRET_CONFIG if env.interpreting() else _CONFIG)
+    rows, block_m, warps = env.tile_config(config, _INTERPRET_CONFIG if env.interpreting() else _CONFIG,
+                                           ("ROWS", "BLOCK_M", "num_warps"))
     if block_m < 1 or block_m & (block_m - 1) or rows < 1 or rows % block_m:
         raise ValueError(f"config: BLOCK_M={block_m} must be a power of two and ROWS={rows} a multiple of it")
     out = torch.empty((M, 3 * C), dtype=dq.dtype, device=dq.device)
@@ -112,7 +115,7 @@ def merge_heads_bias(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
         dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
     R = triton.cdiv(M, rows)
     part = torch.empty((3 * C, R), dtype=torch.float32, device=dq.device)  # column-major partial sums
-    _merge_heads_sum_kernel[(3 * nh, R)](dq, dk, dv, out, part, M, T, hs, nh, R, *dq.stride(), ROWS=rows,
+    _merge_heads_sum_kernel[(3 * nh * R,)](dq, dk, dv, out, part, M, T, hs, nh, R, *dq.stride(), ROWS=rows,
                                          BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(hs), num_warps=warps)
     return out, part.sum(1)
 

@@ -211,7 +211,8 @@ def _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres=None, config=Non
         raise ValueError(f"mean and rstd must be ({M},) and weight ({C},), got {tuple(mean.shape)}, "
                          f"{tuple(rstd.shape)} and {tuple(weight.shape)}")
     env.check_device(x)
-    rows, block_m, warps, *method = config or (_INTERPRET_CONFIG if env.interpreting() else _CONFIG)
+    rows, block_m, warps, *method = env.tile_config(config, _INTERPRET_CONFIG if env.interpreting() else _CONFIG,
+                                                    ("ROWS", "BLOCK_M", "num_warps", "method"), optional=1)
     method = method[0] if method else "whole-rows"
     if method not in ("whole-rows", "two-pass"):
         raise ValueError(f"config: the method must be 'whole-rows' or 'two-pass', got {method!r}")
