@@ -38,7 +38,9 @@ Design points the chapters explain:
   flag with a fused optimizer measured 2.9 ms slower per 37 ms step on an H200 (GPT-2 small, fp16,
   eager: the GPU idles while Python waits for the flag); without the read, the fp16 rows of
   mpgpt.results.load_record("train-h200") are within a millisecond of bf16 with either scaler.
-  The gradients are still unscaled by us first, in one pass, so that clipping sees true gradients.
+  The gradients are still unscaled by us first, in one pass, so that clipping sees true gradients;
+  ``defer_unscale_`` skips that pass for a caller that checks them itself (the trainer takes the
+  check from the norm it computes for clipping, and the fused optimizer divides by the scale).
 
 Two more classes speak the same protocol, so the trainer never asks which kind it holds:
 :class:`NullScaler` (no scaling, no check: fp32 and bf16 runs) and :class:`GradScalerAdapter`
@@ -75,7 +77,8 @@ def _fresh_optimizer_state() -> dict[str, Any]:
     # found_inf_per_device: {device: 0-d fp32 tensor, > 0 iff that device's grads had an inf/nan}
     # found_inf: the flags of all devices combined (and passed through found_inf_reducer), cached
     # so that the reducer runs exactly once per optimizer per iteration.
-    return {"stage": _Stage.READY, "found_inf_per_device": {}, "found_inf": None}
+    # scaled: the gradients were left scaled (defer_unscale_), so step() has the optimizer divide.
+    return {"stage": _Stage.READY, "found_inf_per_device": {}, "found_inf": None, "scaled": False}
 
 
 class BaseLossScaler:
@@ -133,6 +136,34 @@ class BaseLossScaler:
         state["found_inf_per_device"] = self._check_and_unscale_grads(optimizer, inv_scale)
         state["stage"] = _Stage.UNSCALED
 
+    def defer_unscale_(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> torch.Tensor | float:
+        """Instead of ``unscale_``: leave the gradients scaled and take the caller's inf/nan check.
+
+        ``unscale_`` reads and writes every gradient once. A caller that reads them all anyway can
+        skip that pass: the 2-norm of the scaled gradients is inf or nan exactly when one of them is
+        (the trainer computes it for clipping), and divided by the scale it is the true norm (exact
+        for a power-of-two scale). ``found_inf`` is that check, a 0-d tensor, nonzero or True iff a
+        gradient is inf/nan. ``step()`` then hands a fused optimizer the flag and the scale to divide
+        by as it reads each gradient, times any ``optimizer.grad_scale`` the caller set (a clipping
+        factor). Only for optimizers that divide by ``grad_scale`` themselves (torch's fused
+        Adam/AdamW); returns the scale, so the caller can unscale its norm. No sync.
+        """
+        if not self._enabled:
+            return 1.0
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            raise ValueError(f"defer_unscale_ leaves the gradients scaled, and {type(optimizer).__name__} does "
+                             "not divide by optimizer.grad_scale itself; call unscale_(optimizer) instead, or use "
+                             "a fused optimizer (torch.optim.AdamW(..., fused=True))")
+        self._require_scale("defer_unscale_")
+        state = self._per_optimizer[id(optimizer)]
+        if state["stage"] is not _Stage.READY:
+            raise RuntimeError("defer_unscale_() after unscale_(), defer_unscale_() or step() in this iteration: "
+                               "check and unscale once per iteration, before step().")
+        state["found_inf_per_device"] = {found_inf.device: found_inf.detach().float().reshape(())}
+        state["scaled"] = True
+        state["stage"] = _Stage.UNSCALED
+        return self._scale
+
     def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
         """Unscale (unless done), then call ``optimizer.step(*args, **kwargs)`` only if all grads are finite.
 
@@ -166,8 +197,12 @@ class BaseLossScaler:
             # is set, so Python need not know: no sync at all (GradScaler does the same). The
             # gradients are already unscaled, hence grad_scale=None.
             # A grad_scale the caller set on the optimizer is kept as it is, as GradScaler keeps it
-            # once the gradients are unscaled; ours always are by now, so we add no factor of our own.
-            optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
+            # once the gradients are unscaled. Gradients left scaled (defer_unscale_) are divided by
+            # the scale too, in the same multiply-free pass: the optimizer divides by the product.
+            factor = getattr(optimizer, "grad_scale", None)
+            if state["scaled"]:
+                factor = self._scale if factor is None else factor * self._scale
+            optimizer.grad_scale = factor
             optimizer.found_inf = found_inf
             try:
                 retval = optimizer.step(*args, **kwargs)

@@ -13,6 +13,10 @@ One step, whatever the precision policy (mpgpt.precision) and loss scaler (mpgpt
     scaler.update()                             # grow or back off the scale
     master.master_to_model()                    # O2 only: round fp32 masters into the model
 
+With torch's fused AdamW and clipping inside it (``fused_clip``), fp16 skips ``unscale_``'s pass: the
+gradients' norm, computed for the clip anyway, is the inf/nan check (``scaler.defer_unscale_``), and
+the optimizer divides by the scale and the clipping factor together as it reads each gradient.
+
 :class:`TrainConfig` holds everything a run needs, :class:`Trainer` the pieces of a run (model,
 optimizer, scaler, data) so they can be stepped, saved and resumed, and :class:`History` what a run
 measured. The optimizer is built in one place, :meth:`Trainer.build_optimizer`, which
@@ -408,14 +412,24 @@ class Trainer:
             after_backward(self.step, model)  # test hook: e.g. inject inf into a gradient
         if self.master is not None:
             self.master.grads_to_master()
-        self.scaler.unscale_(self.optimizer)  # true gradients from here on: clip them, not scaled ones
-        if self.clips_in_optimizer:
+        if self.clips_in_optimizer and isinstance(self.scaler, BaseLossScaler):
+            # fp16 with the fused optimizer: the gradients stay scaled. Their norm, needed for the clip
+            # anyway, is the inf/nan check; the optimizer divides by the scale and the clip together,
+            # which saves the scaler's pass over every fp32 gradient (read and written once).
+            scaled_norm = total_norm([p.grad for p in self.params if p.grad is not None])
+            scale = self.scaler.defer_unscale_(self.optimizer, found_inf=~torch.isfinite(scaled_norm))
+            grad_norm = scaled_norm / scale
+            self.optimizer.grad_scale = ((grad_norm + 1e-6) / cfg.grad_clip).clamp(min=1.0)
+        elif self.clips_in_optimizer:
+            self.scaler.unscale_(self.optimizer)  # a no-op without a scaler
             # clip_grad_norm_ multiplies by min(1, clip / (norm + 1e-6)); the kernel divides by the inverse
             grad_norm = total_norm([p.grad for p in self.params if p.grad is not None])
             self.optimizer.grad_scale = ((grad_norm + 1e-6) / cfg.grad_clip).clamp(min=1.0)
         elif cfg.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)  # true gradients from here on: clip them, not scaled ones
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
         else:  # the norm only, for the log: a few multi-tensor kernels, as inside clip_grad_norm_
+            self.scaler.unscale_(self.optimizer)
             grad_norm = total_norm([p.grad for p in self.params if p.grad is not None])
         self.scaler.step(self.optimizer)
         if self.clips_in_optimizer:

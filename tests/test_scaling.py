@@ -723,3 +723,57 @@ def test_fused_protocol_keeps_a_callers_grad_scale_like_gradscaler():
     assert float(opt.seen[1]) == float(ref_opt.seen[1]) == 0.0
     assert not hasattr(opt, "grad_scale") and not hasattr(ref_opt, "grad_scale")  # both delete it after
     assert torch.equal(param, ref_param)
+
+
+def test_deferred_unscale_gives_the_unscaled_update_bit_for_bit():
+    """defer_unscale_ leaves the gradients scaled and lets torch's fused AdamW divide by the scale
+    times the caller's clipping factor. With a power-of-two scale every step, skipped or not, must
+    leave exactly the weights and moments of unscale_ followed by the same factor: (g*S)/(S*c) and
+    (g*S*(1/S))/c round the same exact quotient once. Fresh random gradients, one of them inf on
+    some steps; the check is the scaled gradients' norm, as the trainer computes it."""
+    seed = _fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    params = {mode: [nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(seed + n)))
+                     for n in (7, 33, 130)] for mode in ("unscale_", "defer")}
+    opts = {mode: torch.optim.AdamW(ps, lr=1e-2, fused=True) for mode, ps in params.items()}
+    scalers = {mode: DynamicLossScaler(init_scale=2.0**12, growth_interval=3) for mode in params}
+    for step in range(10):
+        grads = [torch.randn(p.shape, generator=gen) * 10 ** torch.empty(()).uniform_(-6, 2, generator=gen)
+                 for p in params["defer"]]
+        if step in (2, 6):
+            grads[1][5] = INF
+        for mode, ps in params.items():
+            scaler, opt = scalers[mode], opts[mode]
+            scaler.scale(torch.zeros((), requires_grad=True).sum())  # creates the scale on first use
+            for p, g in zip(ps, grads):
+                p.grad = g * scaler.scale_tensor()
+            if mode == "unscale_":
+                scaler.unscale_(opt)
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in ps]))
+            else:
+                scaled = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in ps]))
+                norm = scaled / scaler.defer_unscale_(opt, found_inf=~torch.isfinite(scaled))
+            opt.grad_scale = ((norm + 1e-6) / 0.5).clamp(min=1.0)
+            scaler.step(opt)
+            scaler.update()
+            assert not hasattr(opt, "grad_scale")
+        assert scalers["defer"].get_scale() == scalers["unscale_"].get_scale(), f"seed {seed}, step {step}"
+        for a, b in zip(params["defer"], params["unscale_"]):
+            assert torch.equal(a, b), f"seed {seed}, step {step}"
+            assert all(torch.equal(opts["defer"].state[a][k], opts["unscale_"].state[b][k]) for k in ("exp_avg", "exp_avg_sq"))
+    assert scalers["defer"].get_scale() < 2.0**12 * 2**3  # the two overflows backed it off
+
+
+def test_deferred_unscale_is_refused_where_the_gradients_would_stay_scaled():
+    """An optimizer that does not divide by grad_scale itself would step on scaled gradients; and
+    the check happens once per iteration, before step()."""
+    scaler = DynamicLossScaler(init_scale=8.0)
+    p = nn.Parameter(torch.ones(3))
+    scaler.scale((p * 2.0).sum()).backward()
+    with pytest.raises(ValueError, match=r"call unscale_\(optimizer\) instead, or use a fused optimizer"):
+        scaler.defer_unscale_(torch.optim.SGD([p], lr=0.1), found_inf=torch.tensor(False))
+    fused = torch.optim.AdamW([p], lr=0.1, fused=True)
+    scaler.unscale_(fused)
+    with pytest.raises(RuntimeError, match="once per iteration"):
+        scaler.defer_unscale_(fused, found_inf=torch.tensor(False))
+

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mpgpt.checkpoint import CheckpointError
+from mpgpt.scaling import DynamicLossScaler
 from mpgpt.train import TrainConfig, Trainer, lr_at, main, train
 
 # A model small enough that a few dozen steps take a second or two on 2 CPU cores.
@@ -71,13 +72,21 @@ def test_resume_refuses_a_different_model_without_touching_it(tmp_path):
         Trainer(_cfg(precision="fp16")).load(tmp_path / "ckpt.pt")
 
 
-def test_injected_faults_are_skipped_and_the_scale_follows_the_rules():
+@pytest.mark.parametrize("fused_clip", [False, True])
+def test_injected_faults_are_skipped_and_the_scale_follows_the_rules(fused_clip, monkeypatch):
     """inf/nan written into random gradients on random steps of a real fp16 run.
 
     Each such step must be skipped with the weights untouched, every other step taken, and the scale
     must follow GradScaler's rule: halve on an overflow, double after `growth_interval` clean steps.
     init_scale 2^8 keeps this small model far from real fp16 overflow, so only our faults trip it.
+    With the clip inside torch's fused AdamW the gradients are never unscaled in place: the check is
+    their norm, and the optimizer skips on the device.
     """
+    unscaled = []
+    if fused_clip:
+        _fused_adamw(Trainer, monkeypatch)
+        real_unscale = DynamicLossScaler.unscale_
+        monkeypatch.setattr(DynamicLossScaler, "unscale_", lambda self, opt: unscaled.append(1) or real_unscale(self, opt))
     seed = random.randrange(2**31)
     rng = random.Random(seed)
     steps, growth_interval, init = 40, 4, 2.0 ** 8
@@ -92,8 +101,11 @@ def test_injected_faults_are_skipped_and_the_scale_follows_the_rules():
             flat = p.grad.view(-1)
             flat[rng.randrange(flat.numel())] = rng.choice([math.inf, -math.inf, math.nan])
 
-    trainer = Trainer(_cfg(precision="fp16", steps=steps, init_scale=init, growth_interval=growth_interval))
+    trainer = Trainer(_cfg(precision="fp16", steps=steps, init_scale=init, growth_interval=growth_interval,
+                           fused_clip=fused_clip, grad_clip=1.0))
+    assert trainer.clips_in_optimizer == fused_clip
     hist = trainer.run(after_backward=inject)
+    assert unscaled == []  # the fused path never called unscale_ (the other path is not spied on)
     snapshots[steps] = [p.detach().clone() for p in trainer.model.parameters()]
 
     assert [s for s, k in zip(hist.step, hist.skipped) if k] == sorted(faulty), f"seed {seed}"
