@@ -1,5 +1,6 @@
 """The benchmark command lines refuse what they cannot honour before any measurement starts."""
 import pytest
+import torch
 
 from mpgpt.bench import ddp, training
 
@@ -99,3 +100,37 @@ def test_the_ladder_is_one_change_per_rung_and_expands_from_its_name():
 def test_an_unknown_name_beside_the_ladder_is_still_refused_up_front(capsys, tmp_path):
     assert training.main(["--configs", "ladder,bf16+nonsense", "--out-dir", str(tmp_path)]) == 2
     assert "bf16+nonsense" in capsys.readouterr().err
+
+
+def test_every_swept_tile_configuration_computes_the_right_result():
+    """The kernel bench times these configurations on a GPU and a sweep may make one the default:
+    each must be a valid configuration that computes the right thing. Here in the interpreter, on
+    small fresh inputs with edges in both dimensions (rows not a multiple of ROWS, columns not a
+    multiple of the column block), against torch's ops in fp32."""
+    from mpgpt.bench import kernels as kb
+    from mpgpt.kernels import gelu, heads, layernorm
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g, z = torch.randn(150, 1100, device=device), 3 * torch.randn(150, 1100, device=device)
+    ref_dz = torch.ops.aten.gelu_backward(g, z, approximate="tanh")
+    for config in kb.GELU_BACKWARD_CONFIGS:
+        dz, db = gelu.gelu_backward_bias(g, z, config=config)
+        assert torch.allclose(dz, ref_dz, rtol=1e-4, atol=1e-5), config
+        assert torch.allclose(db, ref_dz.sum(0), rtol=1e-4, atol=1e-3), config
+
+    dq, dk, dv = (torch.randn(2, 3, 70, 40, device=device) for _ in range(3))
+    ref_qkv, ref_db = heads.merge_heads_reference(dq, dk, dv)
+    for config in kb.MERGE_HEADS_CONFIGS:
+        d_qkv, db = heads.merge_heads_bias(dq, dk, dv, config=config)
+        assert torch.equal(d_qkv, ref_qkv), config
+        assert torch.allclose(db, ref_db, rtol=1e-5, atol=1e-4), config
+
+    x, dy, dres = (torch.randn(150, 300, device=device) for _ in range(3))
+    w = 1 + 0.2 * torch.randn(300, device=device)
+    var, mean = torch.var_mean(x, dim=1, correction=0)
+    rstd = torch.rsqrt(var + 1e-5)
+    ref = layernorm.layer_norm_backward_reference(dy, x, mean, rstd, w, dres)
+    for config in kb.LAYER_NORM_CONFIGS:
+        got = layernorm.layer_norm_backward(dy, x, mean, rstd, w, dres, config=config)
+        for a, b in zip(got, ref):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), config
