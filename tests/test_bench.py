@@ -134,3 +134,26 @@ def test_every_swept_tile_configuration_computes_the_right_result():
         got = layernorm.layer_norm_backward(dy, x, mean, rstd, w, dres, config=config)
         for a, b in zip(got, ref):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), config
+
+
+def test_the_ladder_is_read_rung_by_rung_and_the_rows_after_it_against_their_twins():
+    """ladder_steps: each rung of the climb against the rung before it, each row after the climb
+    against its twin, the step-time ratio the right way round, a slower rung flagged, and a rung
+    that failed left out together with the comparison that would need it."""
+    assert set(training.LADDER_TWINS) | set(training.LADDER_TWINS.values()) <= set(training.LADDER)
+    ms = {name: 30.0 - i for i, name in enumerate(training.LADDER)}
+    ms[training.LADDER[3]] = 40.0                              # a rung slower than the one before
+    rows = [{"config": n, "ms_per_step_median": v, "tokens_per_s": 1, "peak_memory_gib": 6.0} for n, v in ms.items()]
+    rows[5] = {"config": training.LADDER[5], "error": "out of memory"}
+    steps = {s["config"]: s for s in training.ladder_steps(rows)}
+    assert training.LADDER[5] not in steps
+    assert steps[training.LADDER[6]]["against"] is None        # its rung failed: nothing to read it against
+    assert steps[training.LADDER[0]]["against"] is None
+    for before, after in zip(training.LADDER[:5], training.LADDER[1:5]):
+        s = steps[after]
+        assert s["against"] == before and s["speedup"] == ms[before] / ms[after]
+        assert s["slower"] == (after == training.LADDER[3])
+    assert steps[training.LADDER[1]]["changes"] == "fused_loss=True"
+    for row, twin in training.LADDER_TWINS.items():
+        assert steps[row]["against"] == twin and steps[row]["speedup"] == ms[twin] / ms[row]
+    assert steps["fp16+compile"]["changes"] == "precision='fp16', scaler='dynamic'"

@@ -214,6 +214,62 @@ LADDER = [
 ]
 NAMED_LISTS = {"ladder": LADDER}
 
+# What each row after the climb is read against: not the row before it, but its twin.
+_LAST_RUNG = "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+step-graph+no-mix-order"
+_FP32_MODEL_LAST = "bf16+compile+fused-ce+fused-clip+triton-mlp-qkv+fused-ln+step-graph+no-mix-order"
+LADDER_TWINS = {
+    "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+fused-ln+step-graph+no-mix-order": _LAST_RUNG,
+    "fp16+compile": "bf16+compile",
+    _FP32_MODEL_LAST: _LAST_RUNG,
+    "fp16" + _FP32_MODEL_LAST[len("bf16"):]: _FP32_MODEL_LAST,
+}
+
+
+def _changes(old: str, new: str) -> str:
+    """The settings in which configuration ``new`` differs from ``old``, as `key=value` words."""
+    a, b = TRAIN_CONFIGS[old], TRAIN_CONFIGS[new]
+    return ", ".join(f"{k}={b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+
+
+def ladder_steps(rows: list[dict], order=LADDER) -> list[dict]:
+    """The ladder read rung by rung from one run's rows (a train result's ``rows``): for each row of
+    ``order`` that ran, the row it is read against (the rung before it, or for the rows after the
+    climb their twin in LADDER_TWINS), the settings that differ, its step time and the ratio of
+    the two step times (> 1: faster), its peak memory, and whether it was slower. Rows that failed
+    or did not run are left out, and so is a comparison with one of them."""
+    ran = {r["config"]: r for r in rows if "error" not in r and r.get("ms_per_step_median")}
+    steps, previous = [], None
+    for name in order:
+        against = LADDER_TWINS.get(name, previous)
+        if name not in LADDER_TWINS:
+            previous = name
+        row = ran.get(name)
+        if row is None:
+            continue
+        base = ran.get(against) if against else None
+        steps.append({
+            "config": name, "against": against if base else None,
+            "changes": _changes(against, name) if base else "",
+            "ms_per_step": row["ms_per_step_median"], "tokens_per_s": row["tokens_per_s"],
+            "peak_memory_gib": row.get("peak_memory_gib"),
+            "speedup": base["ms_per_step_median"] / row["ms_per_step_median"] if base else None,
+            "slower": bool(base) and row["ms_per_step_median"] > base["ms_per_step_median"],
+        })
+    return steps
+
+
+def print_ladder(rows: list[dict], order=LADDER) -> None:
+    """ladder_steps as a table: each rung against the row it is read against."""
+    steps = ladder_steps(rows, order)
+    if not steps:
+        return
+    print(f"\n{'ms/step':>8} | {'x':>6} | {'GiB':>5} | what changed (against the row it is read against)")
+    print("-" * 90)
+    for s in steps:
+        ratio = f"{s['speedup']:.3f}" if s["speedup"] else "-"
+        print(f"{s['ms_per_step']:>8.2f} | {ratio:>6} | {s['peak_memory_gib']!s:>5} | "
+              f"{s['changes'] or s['config']}{'  (slower)' if s['slower'] else ''}")
+
 
 def expand_configs(text: str) -> list[str]:
     """The --configs value as configuration names: comma-separated, each a TRAIN_CONFIGS name or a
@@ -518,6 +574,8 @@ def main(argv=None) -> int:
         payload["largest_batch"] = largest_batch(args.max_batch_config, args.preset)
         rows = rows + payload["largest_batch"]
     _print_table(rows)
+    if set(LADDER) & set(names):
+        print_ladder(payload["rows"])
     if args.real_run_config:
         payload["real_run"] = real_run(args.real_run_config, args.preset, args.batch_size, args.real_steps)
     path = write_result("train", payload, args.out_dir, tag=args.tag, command=command)
