@@ -140,9 +140,9 @@ class BaseLossScaler:
         """Instead of ``unscale_``: leave the gradients scaled and take the caller's inf/nan check.
 
         ``unscale_`` reads and writes every gradient once. A caller that reads them all anyway can
-        skip that pass: the 2-norm of the scaled gradients is inf or nan exactly when one of them is
-        (the trainer computes it for clipping), and divided by the scale it is the true norm (exact
-        for a power-of-two scale). ``found_inf`` is that check, a 0-d tensor, nonzero or True iff a
+        skip that pass: an inf or nan in any gradient makes the 2-norm of the scaled gradients inf or
+        nan, so a finite norm means every gradient is finite (the trainer computes the norm for
+        clipping), and divided by the scale it is the true norm (exact for a power-of-two scale). ``found_inf`` is that check, a 0-d tensor, nonzero or True iff a
         gradient is inf/nan. ``step()`` then hands a fused optimizer the flag and the scale to divide
         by as it reads each gradient, times any ``optimizer.grad_scale`` the caller set (a clipping
         factor). Only for optimizers that divide by ``grad_scale`` themselves (torch's fused
