@@ -140,13 +140,15 @@ class BaseLossScaler:
         """Instead of ``unscale_``: leave the gradients scaled and take the caller's inf/nan check.
 
         ``unscale_`` reads and writes every gradient once. A caller that reads them all anyway can
-        skip that pass: an inf or nan in any gradient makes the 2-norm of the scaled gradients inf or
-        nan, so a finite norm means every gradient is finite (the trainer computes the norm for
-        clipping), and divided by the scale it is the true norm (exact for a power-of-two scale). ``found_inf`` is that check, a 0-d tensor, nonzero or True iff a
-        gradient is inf/nan. ``step()`` then hands a fused optimizer the flag and the scale to divide
-        by as it reads each gradient, times any ``optimizer.grad_scale`` the caller set (a clipping
-        factor). Only for optimizers that divide by ``grad_scale`` themselves (torch's fused
-        Adam/AdamW); returns the scale, so the caller can unscale its norm. No sync.
+        skip that pass: an inf or nan in any gradient makes the 2-norm of the scaled gradients inf
+        or nan, so a finite norm means every gradient is finite (the trainer computes the norm for
+        clipping), and divided by the scale it is the true norm (exact for a power-of-two scale).
+        ``found_inf`` is that check: a 0-d tensor, nonzero (or True) iff a gradient is inf/nan.
+        ``step()`` then hands a fused optimizer the flag and the scale to divide by as it reads each
+        gradient, times any ``optimizer.grad_scale`` the caller set (a clipping factor): the same
+        update, bit for bit, as ``unscale_`` followed by that factor, for a power-of-two scale.
+        Only for optimizers that divide by ``grad_scale`` themselves (torch's fused Adam/AdamW);
+        returns the scale, so the caller can unscale its norm. No sync.
         """
         if not self._enabled:
             return 1.0
@@ -194,8 +196,8 @@ class BaseLossScaler:
         retval = None
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             # Fused Adam/AdamW take the flag themselves and skip their update *on the device* when it
-            # is set, so Python need not know: no sync at all (GradScaler does the same). The
-            # gradients are already unscaled, hence grad_scale=None.
+            # is set, so Python need not know: no sync at all (GradScaler does the same). After
+            # unscale_ the gradients are unscaled, so no factor of ours is needed.
             # A grad_scale the caller set on the optimizer is kept as it is, as GradScaler keeps it
             # once the gradients are unscaled. Gradients left scaled (defer_unscale_) are divided by
             # the scale too, in the same multiply-free pass: the optimizer divides by the product.
