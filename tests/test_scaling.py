@@ -725,26 +725,28 @@ def test_fused_protocol_keeps_a_callers_grad_scale_like_gradscaler():
     assert torch.equal(param, ref_param)
 
 
-def test_deferred_unscale_gives_the_unscaled_update_bit_for_bit():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_deferred_unscale_gives_the_unscaled_update_bit_for_bit(device):
     """defer_unscale_ leaves the gradients scaled and lets torch's fused AdamW divide by the scale
     times the caller's clipping factor. With a power-of-two scale every step, skipped or not, must
     leave exactly the weights and moments of unscale_ followed by the same factor: (g*S)/(S*c) and
     (g*S*(1/S))/c round the same exact quotient once. Fresh random gradients, one of them inf on
-    some steps; the check is the scaled gradients' norm, as the trainer computes it."""
+    some steps; the check is the scaled gradients' norm, as the trainer computes it. On the CPU and
+    with CUDA's fused AdamW kernel, which the trainer runs."""
     seed = _fresh_seed()
     gen = torch.Generator().manual_seed(seed)
-    params = {mode: [nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(seed + n)))
+    params = {mode: [nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(seed + n)).to(device))
                      for n in (7, 33, 130)] for mode in ("unscale_", "defer")}
     opts = {mode: torch.optim.AdamW(ps, lr=1e-2, fused=True) for mode, ps in params.items()}
     scalers = {mode: DynamicLossScaler(init_scale=2.0**12, growth_interval=3) for mode in params}
     for step in range(10):
-        grads = [torch.randn(p.shape, generator=gen) * 10 ** torch.empty(()).uniform_(-6, 2, generator=gen)
+        grads = [(torch.randn(p.shape, generator=gen) * 10 ** torch.empty(()).uniform_(-6, 2, generator=gen)).to(device)
                  for p in params["defer"]]
         if step in (2, 6):
             grads[1][5] = INF
         for mode, ps in params.items():
             scaler, opt = scalers[mode], opts[mode]
-            scaler.scale(torch.zeros((), requires_grad=True).sum())  # creates the scale on first use
+            scaler.scale(torch.zeros((), device=device, requires_grad=True).sum())  # creates the scale on first use
             for p, g in zip(ps, grads):
                 p.grad = g * scaler.scale_tensor()
             if mode == "unscale_":
