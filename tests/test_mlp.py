@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mpgpt.kernels import env, mlp, ws
+from mpgpt.kernels import env, gelu, mlp, ws
 from mpgpt.model import GPT, GPTConfig
 from compile_check import assert_compiles_like_eager
 from test_model import assert_same_loss_and_gradients
@@ -65,8 +65,8 @@ def backward_path(request, monkeypatch):
         elif not mlp._triton_backward(torch.empty(1, device=DEVICE, dtype=torch.bfloat16)):
             pytest.skip("bf16 Triton kernels need compute capability >= 8.0")
         for name in ("gelu_backward_bias", "gelu_backward"):  # count the kernel calls: the path must be taken
-            kernel = getattr(mlp.gelu, name)
-            monkeypatch.setattr(mlp.gelu, name, lambda *a, _k=kernel, **kw: calls.append(a) or _k(*a, **kw))
+            kernel = getattr(gelu, name)
+            monkeypatch.setattr(gelu, name, lambda *a, _k=kernel, **kw: calls.append(a) or _k(*a, **kw))
     elif DEVICE == "cuda":
         monkeypatch.setattr(mlp, "_triton_backward", lambda t: False)
     yield request.param

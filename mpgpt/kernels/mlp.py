@@ -44,7 +44,7 @@ from torch import Tensor
 
 from mpgpt.fused_loss import first_derivative_only
 
-from . import env, gelu, ws
+from . import env, ops, ws
 from .linear import _compute_dtype, _op
 
 
@@ -75,12 +75,10 @@ def _triton_backward(t: Tensor) -> bool:
 
 def gelu_backward_impl(h: Tensor, z: Tensor, with_bias: bool) -> tuple[Tensor, Tensor]:
     """(dZ, db): dZ = h * gelu'(z) in h's dtype, h and z (M, N); db = dZ summed over rows, (N,) fp32,
-    or an empty tensor without ``with_bias``."""
-    if _triton_backward(h):
-        if with_bias:
-            return gelu.gelu_backward_bias(h, z)
-        if h.numel() < 2**31:  # gelu_backward's offsets are 32-bit
-            return gelu.gelu_backward(h, z), h.new_empty(0, dtype=torch.float32)
+    or an empty tensor without ``with_bias``. The Triton pass is TritonLinear's (ops.py); without
+    it, the same two results as torch ops."""
+    if _triton_backward(h) and (with_bias or h.numel() < 2**31):  # gelu_backward's offsets are 32-bit
+        return ops.gelu_backward_impl(h, z, with_bias)
     dz = torch.ops.aten.gelu_backward(h, z, approximate="tanh")  # what nn.GELU's backward does
     return dz, dz.sum(0, dtype=torch.float32) if with_bias else h.new_empty(0, dtype=torch.float32)
 
