@@ -18,7 +18,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from mpgpt.kernels import cross_entropy, fp8_matmul, gelu, grouped, heads, layernorm  # noqa: E402
+from mpgpt.kernels import cross_entropy, fp8_matmul, gelu, grouped, heads, layernorm, streamk  # noqa: E402
 
 POINTERS = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "z_ptr"]
 INTS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
@@ -89,6 +89,26 @@ def compile_column_sums(cc: int, dtype: str, kernel: str) -> dict:
     # Triton), before the compiler adds its own for reductions through shared memory.
     return {"shared": compiled.metadata.shared,
             "barriers": sum("barrier" in line for line in compiled.asm["ttir"].splitlines())}
+
+
+def compile_streamk(kernel: str) -> dict:
+    """The stream-K kernel (sm_90) at its GPU tiles, as a weight gradient calls it (A transposed,
+    B row-major, bf16 in, fp32 out), and its fixup."""
+    constexprs = dict(NUM_PROGRAMS=132, BLOCK_M=streamk.BLOCK_M, BLOCK_N=streamk.BLOCK_N, BLOCK_K=streamk.BLOCK_K,
+                      GROUP_M=streamk.GROUP_M)
+    if kernel == "streamk":
+        fn, options = streamk.streamk_kernel, dict(num_warps=streamk.NUM_WARPS, num_stages=streamk.NUM_STAGES)
+        constexprs |= dict(A_T=True, B_T=False)
+        signature = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*fp32", part_ptr="*fp32",
+                         **{n: "i32" for n in ("M", "N", "K", "stride_a", "stride_b", "stride_cm", "stride_cn")})
+    else:
+        fn, options = streamk.streamk_fixup_kernel, {}
+        signature = dict(part_ptr="*fp32", c_ptr="*fp32", **{n: "i32" for n in ("M", "N", "K", "stride_cm", "stride_cn")})
+    signature |= {name: "constexpr" for name in constexprs}
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    ptx = compiled.asm["ptx"]
+    return {"shared": compiled.metadata.shared, **instructions(ptx), "tma_loads": ptx.count("cp.async.bulk.tensor")}
 
 
 COLUMN_SUM_KERNELS = ("gelu_backward_bias", "merge_heads", "layer_norm", "layer_norm_two_pass")
@@ -204,6 +224,10 @@ def main(targets) -> dict:
                                    "config": "fixed", **attempt(compile_gluon, name)})
         out["results"].append({"cc": 90, "kernel": "ws_gelu", "dtype": "bf16", "config": "fixed",
                                **attempt(compile_gluon, "ws", 1)})
+    # The stream-K weight-gradient kernel and its fixup (Hopper).
+    for name in ("streamk", "streamk_fixup"):
+        out["results"].append({"cc": 90, "kernel": name, "dtype": "bf16", "config": "gpu default",
+                               **attempt(compile_streamk, name)})
     # What bf16 does below sm_80 depends on the Triton version: recorded, not assumed.
     out["results"].append({"cc": 75, "kernel": "matmul", "dtype": "bf16", "config": "fixed",
                            **attempt(compile_matmul, 75, "bf16", grouped.FIXED["sm75"])})

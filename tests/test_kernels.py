@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from mpgpt import kernels
-from mpgpt.kernels import TritonLinear, env, gelu_tanh_grad, grouped, launch, matmul, plan, tma, ws
+from mpgpt.kernels import TritonLinear, env, gelu_tanh_grad, grouped, launch, matmul, plan, streamk, tma, ws
 
 mm = importlib.import_module("mpgpt.kernels.matmul")  # the module (the package re-exports the function)
 
@@ -244,6 +244,73 @@ def test_split_k_matches_float64(M, N, K, split_k):
     matmul(a, b, out=out32, split_k=split_k)
     assert rel_err(out32, ref) < 1e-5  # fp32 partials, fp32 sum: accumulation error only
     assert rel_err(matmul(a, b, split_k=split_k), ref) < TOL[torch.bfloat16]
+
+
+# ------------------------------------------------------------------------------------------------
+# Stream-K (streamk.py): every (tile, K-step) pair shared out over a persistent grid
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("total,programs", [(1, 1), (7, 1), (7, 5), (7, 7), (144 * 192, 132), (36 * 192, 132),
+                                            (1000003, 256), (1000003, 5)])
+def test_streamk_stretches_cover_every_pair_once(total, programs):
+    """The kernel's stretches (start = p * total // P) cover [0, total) end to end, none empty
+    (the host launches at most as many programs as pairs), and the fixup's inverse formula names
+    the program that holds each pair. (144 x 192: c_fc's dW on 132 multiprocessors.)"""
+    st = streamk.stretches(total, programs)
+    assert st[0][0] == 0 and st[-1][1] == total
+    assert all(s1 == e0 for (_, e0), (s1, _) in zip(st, st[1:])) and all(e > s for s, e in st)
+    for i in {0, total // 3, total // 2, total - 1}:
+        p = ((i + 1) * programs - 1) // total  # streamk_fixup_kernel's formula
+        assert st[p][0] <= i < st[p][1], (i, p, st[p])
+
+
+# (M, N, K, programs): one program (no parts); stretches shorter and longer than a tile; one
+# K-step per program, so each tile is summed from as many parts as it has K-steps. (Capped at the
+# product's (tile, K-step) pairs, which on a GPU's 128 x 128 x 64 tiles are fewer.)
+STREAMK_CASES = [(96, 160, 200, 1), (96, 160, 200, 7), (96, 160, 200, 15), (64, 64, 64, 13), (40, 48, 96, 24)]
+
+
+@pytest.mark.parametrize("M,N,K,programs", STREAMK_CASES)
+def test_streamk_matches_float64(M, N, K, programs):
+    """Stream-K on a weight-gradient layout (A column-major), into fp32, bf16 and fp16 outputs
+    that start as NaN, so a tile neither stored whole nor summed by the fixup fails. fp32: the
+    accumulation error only (sums of at most K products in fp32); 16-bit: one rounding (TOL)."""
+    programs = min(programs, streamk.pairs(M, N, K)[1])
+    for dtype in (torch.bfloat16, torch.float16):
+        a, b = rand(K, M, dtype=dtype).t(), rand(K, N, dtype=dtype)
+        ref = reference(a, b)
+        out32 = torch.full((M, N), float("nan"), device=DEVICE)
+        streamk.launch(a, b, out32, programs=programs)
+        assert rel_err(out32, ref) < 1e-5, (dtype, programs)
+        out16 = torch.full((M, N), float("nan"), device=DEVICE, dtype=dtype)
+        streamk.launch(a, b, out16, programs=programs)
+        assert rel_err(out16, ref) < TOL[dtype], (dtype, programs)
+
+
+def test_streamk_reads_every_layout_and_strided_outputs():
+    """A and B in both memory orders, and an output that is a column slice of a wider buffer:
+    every element of the slice written, nothing beside it."""
+    M, N, K = 48, 80, 112
+    for a_t in (False, True):
+        for b_t in (False, True):
+            a = rand(K, M).t() if a_t else rand(M, K)
+            b = rand(N, K).t() if b_t else rand(K, N)
+            buf = torch.full((M, N + 16), float("nan"), device=DEVICE)
+            out = buf[:, 8:8 + N]
+            matmul(a, b, out=out, kernel="streamk")
+            assert rel_err(out, reference(a, b)) < 1e-5, (a_t, b_t)
+            assert buf[:, :8].isnan().all() and buf[:, 8 + N:].isnan().all()
+
+
+def test_streamk_refusals_say_what_to_do():
+    a, b = rand(64, 32).t(), rand(64, 48)
+    with pytest.raises(ValueError, match="no epilogue"):
+        matmul(a, b, rand(48), kernel="streamk")
+    with pytest.raises(ValueError, match="grouped kernel"):
+        matmul(a, b, kernel="streamk", split_k=2)
+    with pytest.raises(ValueError, match="cannot run this product.*use kernel='auto'"):
+        matmul(rand(64, 36)[:, :30], rand(30, 48), kernel="streamk")  # 60-byte rows: no descriptor
+    with pytest.raises(ValueError, match="programs must be between 1 and"):
+        streamk.launch(a, b, torch.empty(32, 48, device=DEVICE), programs=10**6)
 
 
 def test_auto_split_k_only_for_few_tiles_and_long_k():
@@ -495,6 +562,39 @@ def test_triton_linear_gelu_backward_sums_the_bias_in_its_own_pass(bias_grad, mo
     assert (layer.bias.grad is not None) == bias_grad and layer.weight.grad is not None
 
 
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_triton_linear_weight_gradient_on_streamk(activation, monkeypatch):
+    """WEIGHT_GRAD_KERNEL = "streamk" puts dW on the stream-K kernel (counted) and gives the same
+    gradients as the default path within fp32 accumulation error; a layer whose dW the kernel
+    cannot read (an odd width: no descriptor) falls back to "auto" instead of failing."""
+    from mpgpt.kernels import linear
+    kinds = []
+    real = mm._matmul_2d
+    monkeypatch.setattr(mm, "_matmul_2d", lambda *a, **k: kinds.append(k.get("kernel", "auto")) or real(*a, **k))
+    monkeypatch.setattr(importlib.import_module("mpgpt.kernels.ops"), "_matmul_2d", mm._matmul_2d)
+    grads = {}
+    for choice in ("auto", "streamk"):
+        monkeypatch.setattr(linear, "WEIGHT_GRAD_KERNEL", choice)
+        torch.manual_seed(0)
+        lin = nn.Linear(64, 48, device=DEVICE)
+        x = torch.randn(3, 32, 64, device=DEVICE, requires_grad=True)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            y = TritonLinear.from_linear(lin, activation=activation)(x)
+        kinds.clear()
+        y.float().square().sum().backward()
+        assert kinds == ["auto", choice], kinds  # dX, then dW
+        grads[choice] = (x.grad, lin.weight.grad, lin.bias.grad)
+    for ref, got in zip(grads["auto"], grads["streamk"]):
+        assert rel_err(got, ref.double()) < 1e-5  # the same bf16 products, summed in another order
+    lin = nn.Linear(36, 20, device=DEVICE)  # 36 bf16 inputs: 72-byte rows, no descriptor
+    x = torch.randn(16, 36, device=DEVICE, requires_grad=True)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y = TritonLinear.from_linear(lin)(x)
+    kinds.clear()
+    y.float().sum().backward()
+    assert kinds == ["auto", "auto"] and torch.isfinite(lin.weight.grad).all()
+
+
 def test_triton_linear_operators_pass_torch_opcheck():
     """torch.library.opcheck on TritonLinear's three custom operators: schema, fake (meta)
     implementation against the real one, no aliasing."""
@@ -503,6 +603,7 @@ def test_triton_linear_operators_pass_torch_opcheck():
     torch.library.opcheck(ops.linear_forward, (x, w, b, "gelu", True))
     torch.library.opcheck(ops.linear_forward, (x, w, None, None, False))
     torch.library.opcheck(ops.matmul, (x, w.t(), torch.float32))
+    torch.library.opcheck(ops.matmul, (rand(64, 32).t(), rand(64, 48), torch.float32, "streamk"))
     g, z = rand(10, 48), rand(10, 48)
     torch.library.opcheck(ops.gelu_backward, (g, z, True))
     torch.library.opcheck(ops.gelu_backward, (g, z, False))
@@ -642,7 +743,7 @@ def _weight_grad(tokens, fout, fin):
     return fake_cuda(tokens, fout).t(), fake_cuda(tokens, fin)
 
 
-def test_plan_in_the_interpreter_is_always_the_grouped_kernel():
+def test_plan_in_the_interpreter_is_the_grouped_kernel_unless_streamk_is_asked():
     if not env.interpreting():
         pytest.skip("runs where Triton's interpreter is on (no GPU)")
     a, b = rand(40, 48), rand(48, 36)
@@ -650,6 +751,8 @@ def test_plan_in_the_interpreter_is_always_the_grouped_kernel():
         p = plan(a, b, kernel=kernel)
         assert (p.kernel, p.split_k, p.interpreted) == ("grouped", 1, True), (kernel, p)
         assert "interpreter" in p.reason
+    a16, b16 = rand(48, 48), rand(48, 32)  # the stream-K kernel runs in the interpreter itself
+    assert plan(a16, b16, kernel="streamk").kernel == "streamk"
     assert plan(a, b, split_k=3) == kernels.Plan("grouped", 3, True, plan(a, b, split_k=3).reason)
     assert plan(a, b, split_k=3).split_k == 3
     with pytest.raises(dataclasses_frozen_error()):
@@ -737,6 +840,22 @@ def test_plan_on_sm90_keeps_a_4_way_split_k_on_the_grouped_kernel(fake_gpu):
         plan(a, b, fake_cuda(768), split_k=2)
     with pytest.raises(ValueError, match="grouped kernel"):
         plan(a, b, split_k=2, kernel="tma")
+
+
+def test_plan_runs_streamk_only_when_asked(fake_gpu):
+    """kernel="streamk" on sm_90 for an addressable product; never chosen by "auto"; a clear
+    error below sm_90 and for operands a descriptor cannot address."""
+    fake_gpu((9, 0))
+    for shape in ((12288, 3072, 768), (12288, 768, 768), (12288, 768, 3072)):
+        a, b = _weight_grad(*shape)
+        p = plan(a, b, kernel="streamk")
+        assert (p.kernel, p.split_k, p.interpreted) == ("streamk", 1, False) and "sm_90" in p.reason, p
+        assert plan(a, b).kernel != "streamk"
+    with pytest.raises(ValueError, match="Hopper GPU"):
+        plan(fake_cuda(12288, 768, ptr=2), fake_cuda(768, 768), kernel="streamk")
+    fake_gpu((8, 0))
+    with pytest.raises(ValueError, match="Hopper GPU.*use kernel='auto'"):
+        plan(*_weight_grad(12288, 3072, 768), kernel="streamk")
 
 
 @pytest.mark.skipif(ws.WS_IMPORT_ERROR is not None, reason="this Triton has no Gluon")
@@ -905,8 +1024,36 @@ def test_gpu_split_k_and_gelu_backward():
 
 
 @pytest.mark.sm80
+def test_gpu_streamk_at_gpt2_weight_gradients():
+    """The stream-K kernel at GPT-2 small's four weight-gradient shapes (K = 12288 tokens) and with
+    a few programs (many parts per tile), against float64; three runs bit for bit the same (the
+    fixup sums each tile's parts in program order, whichever program finished first); the second
+    and third go through the lean launch path's replay."""
+    if env.capability(torch.device("cuda")) < (9, 0):
+        pytest.skip("the stream-K kernel needs sm_90")
+    for out_f, in_f in [(768, 768), (2304, 768), (3072, 768), (768, 3072)]:
+        g_t, x = rand(12288, out_f).t(), rand(12288, in_f)  # dY^T (column-major), X
+        ref = reference(g_t, x)
+        runs = []
+        for _ in range(3):
+            out = torch.full((out_f, in_f), float("nan"), device="cuda")
+            matmul(g_t, x, out=out, kernel="streamk")
+            runs.append(out)
+        # fp32 sums of 12288 products: ~sqrt(K) * 2^-24 = 7e-6 relative; a lost part gives ~1e-2 or more
+        assert rel_err(runs[0], ref) < 5e-5, (out_f, in_f)
+        assert all(torch.equal(runs[0], r) for r in runs[1:]), (out_f, in_f)
+        assert rel_err(matmul(g_t, x, kernel="streamk"), ref) < TOL[torch.bfloat16]
+        few = torch.full((out_f, in_f), float("nan"), device="cuda")
+        streamk.launch(g_t, x, few, programs=7)
+        assert rel_err(few, ref) < 5e-5, (out_f, in_f)
+
+
+@pytest.mark.sm80
+@pytest.mark.parametrize("dw_kernel", ["auto", "streamk"])
 @pytest.mark.parametrize("activation", [None, "gelu"])
-def test_gpu_triton_linear_backward(activation):
+def test_gpu_triton_linear_backward(activation, dw_kernel, monkeypatch):
+    from mpgpt.kernels import linear
+    monkeypatch.setattr(linear, "WEIGHT_GRAD_KERNEL", dw_kernel)
     lin = nn.Linear(768, 3072, device="cuda")
     layer = TritonLinear.from_linear(lin, activation=activation)
     x = torch.randn(8, 512, 768, device="cuda", requires_grad=True)

@@ -29,6 +29,11 @@ between runs so we do not time the cache):
 6. LayerNorm's backward with the residual stream's gradient added and the weight and bias
    gradients (layernorm.py's backward) at 12288 x 768: Inductor's kernels for the same formulas
    against `layer_norm_backward` and its tile sizes.
+7. The four weight gradients dW = dY.t() @ X of GPT-2 small (K = 12288 tokens), as replayed
+   CUDA graphs: cuBLAS (bf16 out, as nn.Linear under autocast computes it) against the package's
+   kernels writing fp32 (as TritonLinear does for fp32 master weights): what `auto` runs, the TMA
+   kernel unsplit, and the stream-K kernel (streamk.py). Part 3 also times TritonLinear with its
+   weight gradient on the stream-K kernel (`streamk_dw` in each row).
 
 Prints a table and writes kernels_<gpu>_<date>.json into --out-dir (default: the current folder)
 with the GPU, driver, CUDA, torch and triton versions, the date, the command and the commit
@@ -46,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpgpt.kernels import env as kenv
-from mpgpt.kernels import gelu, grouped, heads, layernorm, tma, ws
+from mpgpt.kernels import gelu, grouped, heads, layernorm, linear, streamk, tma, ws
 from mpgpt.kernels.linear import TritonLinear, gelu_tanh_grad
 from mpgpt.kernels.matmul import matmul, plan
 from mpgpt.results import environment as base_environment
@@ -60,6 +65,12 @@ GPT2_SHAPES = [  # (label, M, N, K)
     ("lm_head", 12288, 50304, 768),
 ]
 SQUARE_SHAPES = [("4096^3", 4096, 4096, 4096), ("8192^3", 8192, 8192, 8192)]
+WEIGHT_GRAD_SHAPES = [  # (label, out, in): dW is (out, in), summed over the tokens
+    ("c_attn", 2304, 768),
+    ("attn.c_proj", 768, 768),
+    ("c_fc", 3072, 768),
+    ("mlp.c_proj", 768, 3072),
+]
 LINEAR_SHAPES = [  # (label, in, out, activation)
     ("c_attn", 768, 2304, None),
     ("attn.c_proj", 768, 768, None),
@@ -411,16 +422,63 @@ def bench_linear(M=12288):
         ms_tri = _median_ms(step(tri_layer), grad_to_none=params)
         graph_ref = _graph_ms(step(ref_layer), params)
         graph_tri = _graph_ms(step(tri_layer), params)
+        streamk_dw = None
+        if streamk.eligible(g.t(), x.to(torch.bfloat16)) is None:
+            linear.WEIGHT_GRAD_KERNEL = "streamk"  # the same layer, dW on the stream-K kernel
+            try:
+                graph_sk = _graph_ms(step(tri_layer), params)
+            finally:
+                linear.WEIGHT_GRAD_KERNEL = "auto"
+            streamk_dw = {"graph_ms": graph_sk, "graph_speedup": graph_ref / graph_sk}
         flops = 3 * 2.0 * M * fin * fout  # forward + two backward GEMMs
         row = {"layer": label, "M": M, "in": fin, "out": fout, "activation": act,
                "nn_linear_ms": ms_ref, "triton_linear_ms": ms_tri, "speedup": ms_ref / ms_tri,
                "nn_linear_tflops": flops / ms_ref * 1e-9, "triton_linear_tflops": flops / ms_tri * 1e-9,
                "graph": {"nn_linear_ms": graph_ref, "triton_linear_ms": graph_tri,
-                         "speedup": graph_ref / graph_tri}}
+                         "speedup": graph_ref / graph_tri},
+               "streamk_dw": streamk_dw}
         rows.append(row)
+        sk = "" if streamk_dw is None else \
+            f"; dW on stream-K {streamk_dw['graph_ms']*1e3:.0f} us ({streamk_dw['graph_speedup']:.2f}x)"
         print(f"fwd+bwd {label:>12} ({M}x{fin}->{fout}): nn.Linear {ms_ref*1e3:7.0f} us | "
               f"TritonLinear {ms_tri*1e3:7.0f} us ({row['speedup']:.2f}x) | recorded as a graph: "
-              f"{graph_ref*1e3:.0f} vs {graph_tri*1e3:.0f} us ({row['graph']['speedup']:.2f}x)", flush=True)
+              f"{graph_ref*1e3:.0f} vs {graph_tri*1e3:.0f} us ({row['graph']['speedup']:.2f}x){sk}", flush=True)
+    return rows
+
+
+def bench_weight_grad(tokens=12288):
+    """dW = dY.t() @ X at GPT-2 small's four layers, each timed as a replayed CUDA graph: cuBLAS
+    into bf16 (nn.Linear under autocast) against the package's kernels into fp32 (TritonLinear
+    with fp32 master weights): `auto`'s choice, the TMA kernel unsplit, and stream-K. Each result
+    is checked against float64 before it is timed; stream-K's is also checked to repeat bit for bit."""
+    rows = []
+    for label, fout, fin in WEIGHT_GRAD_SHAPES:
+        g = torch.randn(tokens, fout, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(tokens, fin, device="cuda", dtype=torch.bfloat16)
+        a = g.t()  # (out, tokens) view: the layout TritonLinear's backward passes
+        ref = a.double() @ x.double()
+        flops = 2.0 * fout * fin * tokens
+        ms = _graph_ms(lambda: torch.mm(a, x))
+        row = {"layer": label, "out": fout, "in": fin, "tokens": tokens, "cublas_bf16_out_ms": ms,
+               "cublas_tflops": flops / ms * 1e-9}
+        for kern in ("auto", "tma", "streamk"):
+            out = torch.empty(fout, fin, device="cuda", dtype=torch.float32)
+            matmul(a, x, out=out, kernel=kern)
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            again = matmul(a, x, out=torch.empty_like(out), kernel=kern)
+            ms_k = _graph_ms(lambda: matmul(a, x, out=out, kernel=kern))
+            p = plan(a, x, out=out, kernel=kern)
+            row[kern] = {"graph_ms": ms_k, "vs_cublas": ms / ms_k, "tflops": flops / ms_k * 1e-9,
+                         "rel_err_vs_float64": err, "repeats_bit_for_bit": bool(torch.equal(out, again)),
+                         "kernel": p.kernel, "split_k": p.split_k, "plan": p.reason}
+        if "streamk" in row:
+            row["streamk"]["programs"] = streamk.programs_for(a.device, fout, fin, tokens)
+        rows.append(row)
+        print(f"dW {label:>12} ({fout}x{fin}, K={tokens}), graph replay: cuBLAS {ms*1e3:.1f} us | " + " | ".join(
+            f"{k} ({row[k]['kernel']}{'/' + str(row[k]['split_k']) if row[k]['split_k'] > 1 else ''}) "
+            f"{row[k]['graph_ms']*1e3:.1f} us ({row[k]['vs_cublas']:.2f}x)" for k in ("auto", "tma", "streamk")),
+            flush=True)
+        del g, x, a, ref
     return rows
 
 
@@ -433,7 +491,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tag", default=None, type=check_tag,
                         help="appended to the file name, so two runs on one day both stay")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: matmul, fused, triton (TritonLinear fwd+bwd), gelu (GELU's backward), "
-                        "merge (the attention gradients' head merge), layer (LayerNorm's backward)")
+                        "merge (the attention gradients' head merge), layer (LayerNorm's backward), "
+                        "wgrad (the weight gradients on cuBLAS, TMA and stream-K; sm_90)")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -463,6 +522,8 @@ def main(argv=None) -> int:
              ("gelu_backward", bench_gelu_backward),
              ("merge_heads", bench_merge_heads),
              ("layer_norm_backward", bench_layer_norm_backward)]
+    if cc >= (9, 0):  # the TMA and stream-K kernels are Hopper's
+        parts.append(("wgrad", bench_weight_grad))
     for name, run in parts:
         if name.split("_")[0] in skip or name in skip:
             continue

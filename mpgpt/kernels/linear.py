@@ -11,6 +11,7 @@ runs the two gradient GEMMs through the same kernel, reading transposed operands
     dX = dZ @ W                   (M, in)    Triton
     dW = dZ^T @ X                 (out, in)  Triton: dZ^T is dZ with its strides swapped; split
                                              along K (= tokens) when out x in is too few tiles
+                                             (WEIGHT_GRAD_KERNEL picks the matmul kernel)
     db = sum over rows of dZ      (out,)     beside dZ in GELU's pass; otherwise one torch sum
 
 Which dtype runs, so the layer is a drop-in for nn.Linear in every setting the course uses:
@@ -35,10 +36,14 @@ from torch import nn
 
 from mpgpt.fused_loss import first_derivative_only
 
-from . import ops
+from . import ops, streamk
 from .matmul import ACTIVATIONS, _check
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+# The matmul kernel (matmul.KERNELS) of the weight gradient dW = dZ^T @ X: "auto", or "streamk"
+# where the stream-K kernel can run (streamk.eligible; "auto" elsewhere). Read at every backward
+# pass, so the kernel benchmark can time the layer both ways.
+WEIGHT_GRAD_KERNEL = "auto"
 _SQRT_2_OVER_PI = 0.7978845608028654
 
 
@@ -123,7 +128,10 @@ def _make_function(device_type: str, amp_decorators: bool = True):
             if ctx.needs_input_grad[1]:
                 # fp32 accumulator written straight to the weight's dtype (fp32 master weights).
                 # (out, M) @ (M, in): g.t() is a strided view.
-                dw = mm(g.t(), x2, ctx.w_dtype if ctx.w_dtype == torch.float32 else dtype)
+                kernel = WEIGHT_GRAD_KERNEL
+                if kernel == "streamk" and streamk.eligible(g.t(), x2) is not None:
+                    kernel = "auto"
+                dw = mm(g.t(), x2, ctx.w_dtype if ctx.w_dtype == torch.float32 else dtype, kernel)
             if want_db:
                 if db32 is None:
                     db32 = g.sum(0, dtype=torch.float32)  # fp32 sum, no fp32 copy of g

@@ -23,11 +23,14 @@ Three kernels, one file each:
    linear layer's forward and backward products use.
 3. ws.py — sm_90 only, written in Gluon: warp-specialised, 128 x 192 tiles, for the forward
    layout a @ w.t() without activation.
+4. streamk.py — sm_90 (and the interpreter): the TMA kernel's loads, with every (tile, K-step)
+   pair shared out evenly over a persistent grid, for products whose tiles fill the waves badly
+   (a weight gradient: few tiles, a long K). No epilogue; chosen only by `kernel="streamk"`.
 
 Which one runs is decided by `plan(...)` (a pure function: it launches nothing), and `matmul`
 runs what `plan` says, so the two cannot disagree. `kernel="auto"` (the default) means:
 
-* Triton's CPU interpreter: the grouped kernel, whatever `kernel` says;
+* Triton's CPU interpreter: the grouped kernel;
 * below sm_90 (A100 sm_80, L4 sm_89, T4 sm_75): the grouped kernel;
 * sm_90: the warp-specialised kernel where it can run (ws.ws_eligible) and its tiles fill the
   GPU's waves about as well as the TMA kernel's (ws.ws_preferred); otherwise the TMA kernel
@@ -35,10 +38,11 @@ runs what `plan` says, so the two cannot disagree. `kernel="auto"` (the default)
   which stays on the grouped kernel (it can split K, the TMA kernel cannot); otherwise the
   grouped kernel. Later GPUs (sm_100) take the TMA kernel the same way, never the ws kernel.
 
-`kernel="grouped"`, `"tma"` or `"ws"` forces one (to compare them); forcing one that cannot run
-here raises a ValueError that says why (except in the interpreter, which runs only the grouped
-kernel). The GPU generation is read through `env.capability`, so a test can make `plan` plan
-for another GPU by patching that one function.
+`kernel="grouped"`, `"tma"`, `"ws"` or `"streamk"` forces one (to compare them); forcing one
+that cannot run here raises a ValueError that says why (except in the interpreter, which runs
+the grouped kernel for "tma" and "ws", and runs the stream-K kernel itself). The GPU generation
+is read through `env.capability`, so a test can make `plan` plan for another GPU by patching
+that one function.
 
 Host time. A Triton launch costs tens of microseconds of Python before the GPU starts, more than
 a 12288 x 768 x 768 product takes on an H200. After the first call with a given signature,
@@ -50,10 +54,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import env, grouped, launch, tma, ws
+from . import env, grouped, launch, streamk, tma, ws
 
 ACTIVATIONS = (None, "gelu", "relu")
-KERNELS = ("auto", "grouped", "tma", "ws")
+KERNELS = ("auto", "grouped", "tma", "ws", "streamk")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 # kernel="auto": a product whose automatic split-K is at least this stays on the grouped kernel,
@@ -69,7 +73,7 @@ SPLIT_K_OVER_TMA = 4
 class Plan:
     """Which kernel `matmul` runs for a call, and why.
 
-    kernel: "grouped", "tma" or "ws"; split_k: programs along K per output tile (1: unsplit;
+    kernel: "grouped", "tma", "ws" or "streamk"; split_k: programs along K per output tile (1: unsplit;
     only the grouped kernel splits); interpreted: Triton's CPU interpreter runs it; reason: one
     line for humans, e.g. "sm_90, forward layout a @ w.t(), no activation: 128x192 tiles fill
     the waves better (ws_preferred)"."""
@@ -94,8 +98,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     activation: None, "relu", or "gelu" (the tanh approximation, = nn.GELU(approximate="tanh")).
     out: optional preallocated (..., N) result, a's dtype or fp32 (any strides).
     kernel: "auto" (see the module docstring, and `plan` for what it picks for a call),
-        "grouped", "tma" or "ws" (to compare them). Without a GPU every choice runs the grouped
-        kernel in the interpreter.
+        "grouped", "tma", "ws" or "streamk" (to compare them). Without a GPU every choice runs
+        the grouped kernel in the interpreter, except "streamk", which runs there too.
     split_k: programs that share one output tile, each summing a slice of K into an fp32
         partial that the host then adds (grouped kernel; no bias or activation). None chooses
         from the shape on a GPU: more than 1 only when there are too few output tiles to fill
@@ -158,13 +162,22 @@ def _plan_2d(a, b, c, bias, z, activation, kernel, split_k) -> Plan:
         if epilogue:
             raise ValueError("split_k > 1 adds fp32 partial sums after the kernel: it takes no bias, activation "
                              "or z; use split_k=1")
-        if kernel in ("tma", "ws"):
+        if kernel in ("tma", "ws", "streamk"):
             raise ValueError("split_k > 1 runs on the grouped kernel; use kernel='grouped' or 'auto'")
         where = "Triton's CPU interpreter" if interp else "sm_%d%d" % env.capability(a.device)
         return Plan("grouped", split_k, interp, f"{where}, split_k={split_k} asked: the grouped kernel sums K in "
                                                 f"{split_k} fp32 slices")
     if M == 0 or N == 0:
         return Plan("grouped", 1, interp, "empty output: nothing to launch")
+    if kernel == "streamk":
+        if epilogue:
+            raise ValueError("the stream-K kernel has no epilogue (bias, activation or z); use kernel='auto'")
+        why = streamk.eligible(a, b)
+        if why is not None:
+            raise ValueError(f"kernel='streamk' cannot run this product: {why}; use kernel='auto'")
+        where = "Triton's CPU interpreter" if interp else "sm_%d%d" % env.capability(a.device)
+        return Plan("streamk", 1, interp, f"{where}, kernel='streamk' asked: (tile, K-step) pairs shared out "
+                                          "evenly, shared tiles summed by a fixup in program order")
     if interp:
         why = "Triton's CPU interpreter (TRITON_INTERPRET=1) runs only the grouped kernel, tiles upcast to fp32"
         if kernel in ("tma", "ws"):
@@ -236,6 +249,8 @@ def _matmul_2d(a, b, c, bias=None, z=None, activation=None, kernel="auto", split
         return c
     if p.kernel == "ws":
         replay = ws.launch(a, b, c, bias)
+    elif p.kernel == "streamk":
+        replay = streamk.launch(a, b, c)
     elif p.kernel == "tma":
         replay = tma.launch(a, b, c, bias, z, activation)
     else:

@@ -12,7 +12,7 @@ running anything. At run time the box runs our Python as usual, including the le
 
 The operators (namespace `mpgpt`):
     linear_forward(x2, w, bias, activation, keep_z) -> (y, z)   y = act(x2 @ w.T + bias), z its input
-    matmul(a, b, out_dtype) -> a @ b                             the two gradient GEMMs
+    matmul(a, b, out_dtype, kernel) -> a @ b                     the two gradient GEMMs
     gelu_backward(grad, z, with_bias) -> (dz, db)                dz = grad * gelu'(z); with_bias: db = dz
                                                                  summed over rows, in the same pass
 
@@ -41,10 +41,11 @@ def linear_forward_impl(x2: Tensor, w: Tensor, bias: Optional[Tensor], activatio
     return y, z
 
 
-def matmul_impl(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """a @ b, a: (M, K), b: (K, N), any strides -> a new (M, N) tensor of out_dtype."""
+def matmul_impl(a: Tensor, b: Tensor, out_dtype: torch.dtype, kernel: str = "auto") -> Tensor:
+    """a @ b, a: (M, K), b: (K, N), any strides -> a new (M, N) tensor of out_dtype, on the
+    matmul kernel `kernel` names (matmul.KERNELS)."""
     out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-    _matmul_2d(a, b, out)
+    _matmul_2d(a, b, out, kernel=kernel)
     return out
 
 
@@ -70,7 +71,7 @@ def _(x2, w, bias, activation, keep_z):
 
 
 @matmul.register_fake
-def _(a, b, out_dtype):
+def _(a, b, out_dtype, kernel="auto"):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
