@@ -155,9 +155,9 @@ class _Sm90Driver:
         return torch.device("cpu")
 
 
-def compile_gluon(kernel: str, epilogue: int = 0) -> dict:
+def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False) -> dict:
     """The two warp-specialised Gluon kernels (sm_90): ws.matmul_ws_kernel in bf16 with the given
-    epilogue (0: a bias; 1: a bias, then Z and gelu(Z) stored), and
+    epilogue (0: a bias; 1: a bias, then Z and gelu(Z) stored), B read as w.t() or row-major, and
     fp8_ws.fp8_ws_kernel promoting, with rowwise scales, for a 4096^3 product (descriptors of CPU
     tensors: only their shapes, strides and alignment matter here)."""
     import torch
@@ -177,11 +177,13 @@ def compile_gluon(kernel: str, epilogue: int = 0) -> dict:
                                                GROUP_M=fp8_ws.GROUP_M, STAGES=fp8_ws.default_stages(torch.bfloat16),
                                                num_warps=4, grid=(132,))
     else:
-        a = torch.empty(n, n, dtype=torch.bfloat16)   # b = w.t() for a row-major weight w, as nn.Linear has
+        a = torch.empty(n, n, dtype=torch.bfloat16)
+        b = a if row_major_b else a.t()  # row-major (K, N), or w.t() for a row-major weight w, as nn.Linear has
         descs = [TensorDescriptor.from_tensor(t, box, layout)
-                 for t, (box, layout) in zip(ws.ws_tensors(a, a.t(), a), ws._layouts7(torch.bfloat16))]
+                 for t, (box, layout) in zip(ws.ws_tensors(a, b, a), ws._layouts7(torch.bfloat16, row_major_b))]
         compiled = ws.matmul_ws_kernel.warmup(*descs, a[0], n, n, n, HAS_BIAS=True,
-                                              EPILOGUE=epilogue, GROUP_M=ws.GROUP_M, STAGES=ws.STAGES,
+                                              EPILOGUE=epilogue, B_ROW_MAJOR=row_major_b, GROUP_M=ws.GROUP_M,
+                                              STAGES=ws.STAGES,
                                               num_warps=ws.NUM_WARPS, grid=(132,))
     ptx = compiled.asm["ptx"]
     return {"shared": compiled.metadata.shared, **instructions(ptx), "tanh": ptx.count("tanh.approx.f32"),
@@ -224,6 +226,8 @@ def main(targets) -> dict:
                                    "config": "fixed", **attempt(compile_gluon, name)})
         out["results"].append({"cc": 90, "kernel": "ws_gelu", "dtype": "bf16", "config": "fixed",
                                **attempt(compile_gluon, "ws", 1)})
+        out["results"].append({"cc": 90, "kernel": "ws_row_major_b", "dtype": "bf16", "config": "fixed",
+                               **attempt(compile_gluon, "ws", 0, True)})
     # The stream-K weight-gradient kernel and its fixup (Hopper).
     for name in ("streamk", "streamk_fixup"):
         out["results"].append({"cc": 90, "kernel": name, "dtype": "bf16", "config": "gpu default",

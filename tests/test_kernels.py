@@ -711,7 +711,10 @@ def test_ws_kernel_only_where_it_can_run():
     assert fit(a, w.t(), c, bias, None, None) and fit(a.half(), w.half().t(), c.half(), None, None, None)
     assert not fit(a, w.t(), c, None, "gelu", None)                    # no activation epilogue
     assert not fit(a, w.t(), c, None, None, c)                         # no saved pre-activation
-    assert not fit(a, w.t().contiguous(), c, None, None, None)         # b must be w.t()
+    assert fit(a, w.t().contiguous(), c, None, None, None)             # a row-major B, as dX = dY @ W reads W
+    assert ws.b_row_major(w.t()) is False and ws.b_row_major(w.t().contiguous()) is True
+    assert not fit(a, rand(96, 80)[::2, ::2], c, None, None, None)     # B with no unit stride
+    assert ws.b_row_major(rand(96, 80)[::2, ::2]) is None
     assert not fit(a, w.t(), c.float(), None, None, None)              # output in a's dtype
     assert not fit(a.float(), w.float().t(), c.float(), None, None, None)  # bf16/fp16 only
     assert not fit(rand(64, 40)[:, :36], rand(40, 36).t(), c, None, None, None)  # 72-byte rows: no TMA
@@ -862,7 +865,7 @@ def test_plan_runs_streamk_only_when_asked(fake_gpu):
 def test_plan_on_sm90_takes_the_ws_kernel_where_preferred(fake_gpu):
     """sm_90, forward layout, no activation: the warp-specialised kernel where its 128 x 192 tiles
     fill the waves (every GPT-2 shape, 8192^3), the TMA kernel where they do not (4096^3); never
-    with an activation, a saved pre-activation, another layout, an fp32 output or on sm_100."""
+    with an activation, a saved pre-activation, a B it cannot address, an fp32 output or on sm_100."""
     fake_gpu((9, 0))
     for M, K, N in [(12288, 768, 768), (12288, 3072, 768), (12288, 768, 2304), (8192, 8192, 8192)]:
         x, wt = _forward(M, K, N)
@@ -877,7 +880,12 @@ def test_plan_on_sm90_takes_the_ws_kernel_where_preferred(fake_gpu):
     assert plan(*_forward(4096, 4096, 4096), kernel="ws").kernel == "ws"  # forced: eligible is enough
     assert plan(x, wt, fake_cuda(768), "relu").kernel == "tma"
     assert plan(x, wt, out=FakeCuda((12288, 768), dtype=torch.float32)).kernel == "tma"
-    for args, kw in (((x, wt, fake_cuda(768), "gelu"), {}), ((fake_cuda(12288, 768), fake_cuda(768, 768)), {}),
+    # dX = dY @ W reads W row-major: the ws kernel can, but `auto` keeps it on TMA until measured.
+    dy, w = fake_cuda(12288, 3072), fake_cuda(3072, 768)
+    p = plan(dy, w)
+    assert p.kernel == "tma" and "not measured" in p.reason, p
+    assert plan(dy, w, kernel="ws").kernel == "ws"
+    for args, kw in (((x, wt, fake_cuda(768), "gelu"), {}), ((fake_cuda(12288, 768), FakeCuda((768, 764), (764, 1))), {}),
                      ((x, wt), {"out": FakeCuda((12288, 768), dtype=torch.float32)})):
         with pytest.raises(ValueError, match="warp-specialised kernel needs"):
             plan(*args, kernel="ws", **kw)
@@ -1049,10 +1057,13 @@ def test_gpu_streamk_at_gpt2_weight_gradients():
 
 
 @pytest.mark.sm80
-@pytest.mark.parametrize("dw_kernel", ["auto", "streamk"])
+@pytest.mark.parametrize("dx_kernel,dw_kernel", [("auto", "auto"), ("ws", "streamk")])
 @pytest.mark.parametrize("activation", [None, "gelu"])
-def test_gpu_triton_linear_backward(activation, dw_kernel, monkeypatch):
+def test_gpu_triton_linear_backward(activation, dx_kernel, dw_kernel, monkeypatch):
+    """Forward and both gradients against float64, with the gradient products on `auto`'s kernels
+    and on the ws (dX) and stream-K (dW) kernels (where those cannot run, `auto` runs instead)."""
     from mpgpt.kernels import linear
+    monkeypatch.setattr(linear, "INPUT_GRAD_KERNEL", dx_kernel)
     monkeypatch.setattr(linear, "WEIGHT_GRAD_KERNEL", dw_kernel)
     lin = nn.Linear(768, 3072, device="cuda")
     layer = TritonLinear.from_linear(lin, activation=activation)
@@ -1106,24 +1117,26 @@ def test_gpu_ws_kernel_against_float64(dtype):
     """The warp-specialised kernel at shapes with edges in M, N and K (N not a multiple of its
     192-wide tile; N = 200 leaves the 64-wide part of the last tile wholly outside), with and
     without bias, on every SM or on only 7 programs (each then runs many tiles back to back, so
-    the ring of stages wraps around many times). The output is a NaN-filled view inside a wider
-    buffer: every element must be written, and nothing outside it."""
+    the ring of stages wraps around many times), with B as w.t() (the forward layout) and
+    row-major (dX = dY @ W). The output is a NaN-filled view inside a wider buffer: every element
+    must be written, and nothing outside it."""
     if not _ws_available():
         pytest.skip("the warp-specialised kernel needs sm_90")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for M, K, N in [(1000, 1000, 776), (77, 3072, 200), (300, 64, 192), (12288, 768, 768)]:
-        for use_bias in (False, True):
-            for programs in (None, 7):
-                a, w = rand(M, K, dtype=dtype), rand(N, K, dtype=dtype)  # fresh inputs every time
-                bias = rand(N, dtype=dtype) if use_bias else None
-                wide = torch.full((M, N + 8), float("nan"), dtype=dtype, device="cuda")
-                c = wide[:, :N]
-                assert ws.ws_eligible(a, w.t(), c, bias, None, None)
-                ws.ws_launch(a, w.t(), c, bias, num_sms, num_programs=programs)
-                torch.cuda.synchronize()
-                case = (M, K, N, use_bias, programs, dtype)
-                assert rel_err(c, reference(a, w.t(), bias)) < TOL[dtype], case
-                assert torch.isnan(wide[:, N:]).all(), case
+        for use_bias, programs, row_major in [(False, None, False), (True, None, False), (True, 7, False),
+                                              (False, 7, False), (False, None, True), (True, 7, True)]:
+            a = rand(M, K, dtype=dtype)  # fresh inputs every time
+            b = rand(K, N, dtype=dtype) if row_major else rand(N, K, dtype=dtype).t()
+            bias = rand(N, dtype=dtype) if use_bias else None
+            wide = torch.full((M, N + 8), float("nan"), dtype=dtype, device="cuda")
+            c = wide[:, :N]
+            assert ws.ws_eligible(a, b, c, bias, None, None) and ws.b_row_major(b) is row_major
+            ws.ws_launch(a, b, c, bias, num_sms, num_programs=programs)
+            torch.cuda.synchronize()
+            case = (M, K, N, use_bias, programs, row_major, dtype)
+            assert rel_err(c, reference(a, b, bias)) < TOL[dtype], case
+            assert torch.isnan(wide[:, N:]).all(), case
 
 
 @pytest.mark.sm80

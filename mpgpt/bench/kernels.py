@@ -29,11 +29,12 @@ between runs so we do not time the cache):
 6. LayerNorm's backward with the residual stream's gradient added and the weight and bias
    gradients (layernorm.py's backward) at 12288 x 768: Inductor's kernels for the same formulas
    against `layer_norm_backward` and its tile sizes.
-7. The four weight gradients dW = dY.t() @ X of GPT-2 small (K = 12288 tokens), as replayed
-   CUDA graphs: cuBLAS (bf16 out, as nn.Linear under autocast computes it) against the package's
-   kernels writing fp32 (as TritonLinear does for fp32 master weights): what `auto` runs, the TMA
-   kernel unsplit, and the stream-K kernel (streamk.py). Part 3 also times TritonLinear with its
-   weight gradient on the stream-K kernel (`streamk_dw` in each row).
+7. The gradient products of GPT-2 small's four layers (12288 tokens), as replayed CUDA graphs:
+   dX = dY @ W on cuBLAS, `auto` and the warp-specialised kernel reading W row-major; dW =
+   dY.t() @ X on cuBLAS (bf16 out, as nn.Linear under autocast computes it) against the
+   package's kernels writing fp32 (as TritonLinear does for fp32 master weights): `auto`, the
+   TMA kernel unsplit, and stream-K (streamk.py). Part 3 also times TritonLinear with dW on
+   stream-K, and with dX on the ws kernel too (`grad_kernels` in each row).
 
 Prints a table and writes kernels_<gpu>_<date>.json into --out-dir (default: the current folder)
 with the GPU, driver, CUDA, torch and triton versions, the date, the command and the commit
@@ -65,7 +66,7 @@ GPT2_SHAPES = [  # (label, M, N, K)
     ("lm_head", 12288, 50304, 768),
 ]
 SQUARE_SHAPES = [("4096^3", 4096, 4096, 4096), ("8192^3", 8192, 8192, 8192)]
-WEIGHT_GRAD_SHAPES = [  # (label, out, in): dW is (out, in), summed over the tokens
+GRAD_SHAPES = [  # (label, out, in): dX is (tokens, in), dW (out, in) summed over the tokens
     ("c_attn", 2304, 768),
     ("attn.c_proj", 768, 768),
     ("c_fc", 3072, 768),
@@ -422,63 +423,70 @@ def bench_linear(M=12288):
         ms_tri = _median_ms(step(tri_layer), grad_to_none=params)
         graph_ref = _graph_ms(step(ref_layer), params)
         graph_tri = _graph_ms(step(tri_layer), params)
-        streamk_dw = None
-        if streamk.eligible(g.t(), x.to(torch.bfloat16)) is None:
-            linear.WEIGHT_GRAD_KERNEL = "streamk"  # the same layer, dW on the stream-K kernel
-            try:
-                graph_sk = _graph_ms(step(tri_layer), params)
-            finally:
-                linear.WEIGHT_GRAD_KERNEL = "auto"
-            streamk_dw = {"graph_ms": graph_sk, "graph_speedup": graph_ref / graph_sk}
+        # The same layer with its gradient products on other kernels, where they can run (sm_90):
+        # dW on stream-K, then dX on the warp-specialised kernel as well. `auto` elsewhere.
+        grad_kernels = {}
+        if kenv.capability(x.device) == (9, 0):
+            for name, dx_kernel, dw_kernel in (("dw_streamk", "auto", "streamk"), ("dx_ws_dw_streamk", "ws", "streamk")):
+                linear.INPUT_GRAD_KERNEL, linear.WEIGHT_GRAD_KERNEL = dx_kernel, dw_kernel
+                try:
+                    ms_k = _graph_ms(step(tri_layer), params)
+                finally:
+                    linear.INPUT_GRAD_KERNEL = linear.WEIGHT_GRAD_KERNEL = "auto"
+                grad_kernels[name] = {"graph_ms": ms_k, "graph_speedup": graph_ref / ms_k}
         flops = 3 * 2.0 * M * fin * fout  # forward + two backward GEMMs
         row = {"layer": label, "M": M, "in": fin, "out": fout, "activation": act,
                "nn_linear_ms": ms_ref, "triton_linear_ms": ms_tri, "speedup": ms_ref / ms_tri,
                "nn_linear_tflops": flops / ms_ref * 1e-9, "triton_linear_tflops": flops / ms_tri * 1e-9,
                "graph": {"nn_linear_ms": graph_ref, "triton_linear_ms": graph_tri,
                          "speedup": graph_ref / graph_tri},
-               "streamk_dw": streamk_dw}
+               "grad_kernels": grad_kernels}
         rows.append(row)
-        sk = "" if streamk_dw is None else \
-            f"; dW on stream-K {streamk_dw['graph_ms']*1e3:.0f} us ({streamk_dw['graph_speedup']:.2f}x)"
+        sk = "".join(f"; {k} {v['graph_ms']*1e3:.0f} us ({v['graph_speedup']:.2f}x)" for k, v in grad_kernels.items())
         print(f"fwd+bwd {label:>12} ({M}x{fin}->{fout}): nn.Linear {ms_ref*1e3:7.0f} us | "
               f"TritonLinear {ms_tri*1e3:7.0f} us ({row['speedup']:.2f}x) | recorded as a graph: "
               f"{graph_ref*1e3:.0f} vs {graph_tri*1e3:.0f} us ({row['graph']['speedup']:.2f}x){sk}", flush=True)
     return rows
 
 
-def bench_weight_grad(tokens=12288):
-    """dW = dY.t() @ X at GPT-2 small's four layers, each timed as a replayed CUDA graph: cuBLAS
-    into bf16 (nn.Linear under autocast) against the package's kernels into fp32 (TritonLinear
-    with fp32 master weights): `auto`'s choice, the TMA kernel unsplit, and stream-K. Each result
-    is checked against float64 before it is timed; stream-K's is also checked to repeat bit for bit."""
+def bench_gradients(tokens=12288):
+    """The two gradient products of GPT-2 small's four layers, each timed as a replayed CUDA graph,
+    each result checked against float64 before it is timed, and whether it repeats bit for bit:
+
+    dX = dY @ W   (tokens, out) @ (out, in), W row-major: cuBLAS against `auto` (the TMA kernel)
+                  and the warp-specialised kernel reading W row-major (`ws`), all into bf16;
+    dW = dY.t() @ X  (out, tokens) @ (tokens, in): cuBLAS into bf16 (nn.Linear under autocast)
+                  against the package's kernels into fp32 (TritonLinear with fp32 master weights):
+                  `auto`'s choice, the TMA kernel unsplit, and stream-K."""
     rows = []
-    for label, fout, fin in WEIGHT_GRAD_SHAPES:
+    for label, fout, fin in GRAD_SHAPES:
         g = torch.randn(tokens, fout, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(tokens, fin, device="cuda", dtype=torch.bfloat16)
-        a = g.t()  # (out, tokens) view: the layout TritonLinear's backward passes
-        ref = a.double() @ x.double()
+        w = torch.randn(fout, fin, device="cuda", dtype=torch.bfloat16)
         flops = 2.0 * fout * fin * tokens
-        ms = _graph_ms(lambda: torch.mm(a, x))
-        row = {"layer": label, "out": fout, "in": fin, "tokens": tokens, "cublas_bf16_out_ms": ms,
-               "cublas_tflops": flops / ms * 1e-9}
-        for kern in ("auto", "tma", "streamk"):
-            out = torch.empty(fout, fin, device="cuda", dtype=torch.float32)
-            matmul(a, x, out=out, kernel=kern)
-            err = ((out.double() - ref).norm() / ref.norm()).item()
-            again = matmul(a, x, out=torch.empty_like(out), kernel=kern)
-            ms_k = _graph_ms(lambda: matmul(a, x, out=out, kernel=kern))
-            p = plan(a, x, out=out, kernel=kern)
-            row[kern] = {"graph_ms": ms_k, "vs_cublas": ms / ms_k, "tflops": flops / ms_k * 1e-9,
-                         "rel_err_vs_float64": err, "repeats_bit_for_bit": bool(torch.equal(out, again)),
-                         "kernel": p.kernel, "split_k": p.split_k, "plan": p.reason}
-        if "streamk" in row:
-            row["streamk"]["programs"] = streamk.programs_for(a.device, fout, fin, tokens)
-        rows.append(row)
-        print(f"dW {label:>12} ({fout}x{fin}, K={tokens}), graph replay: cuBLAS {ms*1e3:.1f} us | " + " | ".join(
-            f"{k} ({row[k]['kernel']}{'/' + str(row[k]['split_k']) if row[k]['split_k'] > 1 else ''}) "
-            f"{row[k]['graph_ms']*1e3:.1f} us ({row[k]['vs_cublas']:.2f}x)" for k in ("auto", "tma", "streamk")),
-            flush=True)
-        del g, x, a, ref
+        for product, a, b, out_dtype, kerns in (("dX", g, w, torch.bfloat16, ("auto", "ws")),
+                                                ("dW", g.t(), x, torch.float32, ("auto", "tma", "streamk"))):
+            ref = a.double() @ b.double()
+            ms = _graph_ms(lambda: torch.mm(a, b))
+            row = {"layer": label, "product": product, "out": fout, "in": fin, "tokens": tokens,
+                   "cublas_ms": ms, "cublas_tflops": flops / ms * 1e-9}
+            for kern in kerns:
+                out = torch.empty(ref.shape, device="cuda", dtype=out_dtype)
+                matmul(a, b, out=out, kernel=kern)
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+                again = matmul(a, b, out=torch.empty_like(out), kernel=kern)
+                ms_k = _graph_ms(lambda: matmul(a, b, out=out, kernel=kern))
+                p = plan(a, b, out=out, kernel=kern)
+                row[kern] = {"graph_ms": ms_k, "vs_cublas": ms / ms_k, "tflops": flops / ms_k * 1e-9,
+                             "rel_err_vs_float64": err, "repeats_bit_for_bit": bool(torch.equal(out, again)),
+                             "kernel": p.kernel, "split_k": p.split_k, "plan": p.reason}
+            if "streamk" in row:
+                row["streamk"]["programs"] = streamk.programs_for(a.device, fout, fin, tokens)
+            rows.append(row)
+            print(f"{product} {label:>12} ({tuple(a.shape)} @ {tuple(b.shape)}), graph replay: cuBLAS {ms*1e3:.1f} us | "
+                  + " | ".join(f"{k} ({row[k]['kernel']}{'/' + str(row[k]['split_k']) if row[k]['split_k'] > 1 else ''}) "
+                               f"{row[k]['graph_ms']*1e3:.1f} us ({row[k]['vs_cublas']:.2f}x)" for k in kerns), flush=True)
+        del g, x, w
     return rows
 
 
@@ -492,7 +500,7 @@ def main(argv=None) -> int:
                         help="appended to the file name, so two runs on one day both stay")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: matmul, fused, triton (TritonLinear fwd+bwd), gelu (GELU's backward), "
                         "merge (the attention gradients' head merge), layer (LayerNorm's backward), "
-                        "wgrad (the weight gradients on cuBLAS, TMA and stream-K; sm_90)")
+                        "grads (the gradient products on cuBLAS and each kernel; sm_90)")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -523,7 +531,7 @@ def main(argv=None) -> int:
              ("merge_heads", bench_merge_heads),
              ("layer_norm_backward", bench_layer_norm_backward)]
     if cc >= (9, 0):  # the TMA and stream-K kernels are Hopper's
-        parts.append(("wgrad", bench_weight_grad))
+        parts.append(("grads", bench_gradients))
     for name, run in parts:
         if name.split("_")[0] in skip or name in skip:
             continue

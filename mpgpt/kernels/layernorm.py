@@ -46,7 +46,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from mpgpt.fused_loss import first_derivative_only

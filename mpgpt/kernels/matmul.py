@@ -21,8 +21,8 @@ Three kernels, one file each:
 2. tma.py — Hopper (sm_90 and later): a persistent grid and TMA descriptors. Needs operands a
    TMA descriptor can address (16-byte aligned, one unit stride each), any of the layouts a
    linear layer's forward and backward products use.
-3. ws.py — sm_90 only, written in Gluon: warp-specialised, 128 x 192 tiles, for the forward
-   layout a @ w.t() without activation.
+3. ws.py — sm_90 only, written in Gluon: warp-specialised, 128 x 192 tiles, without
+   activation, for the forward layout a @ w.t() and (when asked) a row-major B, as dX = dY @ W.
 4. streamk.py — sm_90 (and the interpreter): the TMA kernel's loads, with every (tile, K-step)
    pair shared out evenly over a persistent grid, for products whose tiles fill the waves badly
    (a weight gradient: few tiles, a long K). No epilogue; chosen only by `kernel="streamk"`.
@@ -32,8 +32,8 @@ runs what `plan` says, so the two cannot disagree. `kernel="auto"` (the default)
 
 * Triton's CPU interpreter: the grouped kernel;
 * below sm_90 (A100 sm_80, L4 sm_89, T4 sm_75): the grouped kernel;
-* sm_90: the warp-specialised kernel where it can run (ws.ws_eligible) and its tiles fill the
-  GPU's waves about as well as the TMA kernel's (ws.ws_preferred); otherwise the TMA kernel
+* sm_90: the warp-specialised kernel for the forward layout where it can run (ws.ws_eligible)
+  and its tiles fill the GPU's waves about as well as the TMA kernel's (ws.ws_preferred); otherwise the TMA kernel
   wherever it can read the operands, except a product whose automatic split-K is 4 or more,
   which stays on the grouped kernel (it can split K, the TMA kernel cannot); otherwise the
   grouped kernel. Later GPUs (sm_100) take the TMA kernel the same way, never the ws kernel.
@@ -204,15 +204,17 @@ def _plan_2d(a, b, c, bias, z, activation, kernel, split_k) -> Plan:
         if ws.ws_eligible(a, b, c, bias, activation, z):
             if kernel == "ws":
                 return Plan("ws", 1, False, f"{what}, kernel='ws' asked")
-            if ws.ws_preferred(M, N, env.num_sms(a.device)):
+            if ws.b_row_major(b):
+                what += ", the ws kernel not taken for a row-major B (not measured there; kernel='ws' runs it)"
+            elif ws.ws_preferred(M, N, env.num_sms(a.device)):
                 return Plan("ws", 1, False, f"{what}, {_epilogue_words(bias, activation)}: 128x192 tiles fill the "
                                             "waves better (ws_preferred)")
             what += f", {_epilogue_words(bias, activation)}: 128x256 tiles fill the waves better (not ws_preferred)"
         elif kernel == "auto" and tma_layout is not None and (activation is not None or z is not None):
             what += f", {_epilogue_words(bias, activation)} epilogue (the ws kernel has none)"
         elif kernel == "ws":
-            raise ValueError("the warp-specialised kernel needs an sm_90 GPU (H100/H200), bf16 or fp16, the forward "
-                             "layout a @ w.t() with 16-byte-aligned rows, no activation; use kernel='auto'"
+            raise ValueError("the warp-specialised kernel needs an sm_90 GPU (H100/H200), bf16 or fp16, B as w.t() "
+                             "or row-major, 16-byte-aligned rows, no activation; use kernel='auto'"
                              f" (here: {where})")
     if kernel in ("auto", "tma") and tma_layout is not None:
         return Plan("tma", 1, False, f"{what}: the persistent TMA kernel" + (", asked" if kernel == "tma" else ""))

@@ -29,9 +29,12 @@ Measured on the H200 (CUDA-graph replay; benchmarks/NOTES-kernels.md): 24.7 us a
 cuBLAS's 25.0 at 12288 x 768 x 768 (the TMA kernel: 30-31 us), 92.1 against 90.9 at
 12288 x 768 x 3072.
 
-Scope, checked by `ws_eligible`: sm_90 exactly (Blackwell has no wgmma), bf16/fp16, the forward
-layout (A (M, K) with unit column stride, B = w.t() for a row-major weight w (N, K)), optional
-bias, no activation, C row-major; every base address and row pitch 16-byte aligned.
+Scope, checked by `ws_eligible`: sm_90 exactly (Blackwell has no wgmma), bf16/fp16, A (M, K)
+with unit column stride, and B either as the forward layout reads it (B = w.t() for a row-major
+weight w (N, K): the MMA reads each (N, K) stage transposed) or row-major (K, N), as the input
+gradient dX = dY @ W reads the weight (the MMA reads the (K, N) stage as it is); optional bias,
+no activation, C row-major; every base address and row pitch 16-byte aligned. `kernel="auto"`
+takes it for the forward layout only: the row-major one is not measured yet.
 `gelu_forward` runs the same kernel with a GELU epilogue (EPILOGUE=1: Z = A w^T + bias and
 gelu(Z), both stored) for the MLP's first product (kernels/mlp.py); `gelu_eligible` says where.
 Everything else goes to the TMA kernel (tma.py) or the grouped kernel (grouped.py); `matmul.plan` decides,
@@ -79,12 +82,14 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
 
     @gluon.jit
     def _producer(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                  B_ROW_MAJOR: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
         """One warp: the TMA loads of every (tile, K-step) of this program, at most STAGES ahead."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-        TILE_N: gl.constexpr = BLOCK_N + b2_desc.block_type.shape[0]
+        # B's boxes are (BLOCK_K, width) when B is row-major (K, N), (width, BLOCK_K) for w (N, K)
+        N_DIM: gl.constexpr = 1 if B_ROW_MAJOR else 0
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[N_DIM]
+        TILE_N: gl.constexpr = BLOCK_N + b2_desc.block_type.shape[N_DIM]
         nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes + b2_desc.block_type.nbytes
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, TILE_N)
@@ -100,9 +105,12 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                 mbarrier.wait(empty.index(s), ((p // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), nbytes)
                 tma_load(a_desc, [off_m, k * BLOCK_K], ready.index(s), a_bufs.index(s))
-                tma_load(b_desc, [off_n, k * BLOCK_K], ready.index(s), b_bufs.index(s))
-                tma_load(b2_desc, [off_n + BLOCK_N, k * BLOCK_K], ready.index(s),
-                                                b2_bufs.index(s))
+                if B_ROW_MAJOR:
+                    tma_load(b_desc, [k * BLOCK_K, off_n], ready.index(s), b_bufs.index(s))
+                    tma_load(b2_desc, [k * BLOCK_K, off_n + BLOCK_N], ready.index(s), b2_bufs.index(s))
+                else:
+                    tma_load(b_desc, [off_n, k * BLOCK_K], ready.index(s), b_bufs.index(s))
+                    tma_load(b2_desc, [off_n + BLOCK_N, k * BLOCK_K], ready.index(s), b2_bufs.index(s))
                 p += 1
 
     @gluon.jit
@@ -134,13 +142,13 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
     @gluon.jit
     def _mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem,
                        bias_ptr, M, N, K,
-                       HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr, GROUP_M: gl.constexpr,
+                       HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr, B_ROW_MAJOR: gl.constexpr, GROUP_M: gl.constexpr,
                        STAGES: gl.constexpr, num_warps: gl.constexpr):
         """The default partition: the MMAs and the epilogue of every tile of this program."""
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
         EXTRA_N: gl.constexpr = c2_desc.block_type.shape[1]
-        BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+        BLOCK_K: gl.constexpr = a_bufs.type.shape[2]  # (STAGES, BLOCK_M, BLOCK_K)
         # Accumulators in wgmma's register layout: warpgroups stacked along M, each owning
         # BLOCK_M / (num_warps / 4) rows; one instruction covers 64 rows x (BLOCK_N or EXTRA_N) x 16.
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -161,12 +169,17 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             for k in range(k_tiles):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                # B stages hold (N, K) tiles of w; the MMA reads them transposed. use_acc=False
-                # on a tile's first step discards what the registers held.
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=k > 0,
-                                    is_async=True)
-                acc2 = warpgroup_mma(a_bufs.index(s), b2_bufs.index(s).permute((1, 0)), acc2, use_acc=k > 0,
-                                     is_async=True)
+                # Row-major B stages are (K, N) tiles, read as they are; stages of w are (N, K)
+                # tiles, read transposed (a view: wgmma reads either order of a 16-bit operand).
+                # use_acc=False on a tile's first step discards what the registers held.
+                if B_ROW_MAJOR:
+                    b_op = b_bufs.index(s)
+                    b2_op = b2_bufs.index(s)
+                else:
+                    b_op = b_bufs.index(s).permute((1, 0))
+                    b2_op = b2_bufs.index(s).permute((1, 0))
+                acc = warpgroup_mma(a_bufs.index(s), b_op, acc, use_acc=k > 0, is_async=True)
+                acc2 = warpgroup_mma(a_bufs.index(s), b2_op, acc2, use_acc=k > 0, is_async=True)
                 # At most this step's two MMAs are still running, so the previous step's stage
                 # has been read: hand it back to the producer.
                 acc, acc2 = warpgroup_mma_wait(2, deps=(acc, acc2))
@@ -198,20 +211,22 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
 
     @gluon.jit
     def matmul_ws_kernel(
-        a_desc, b_desc, b2_desc,            # TMA descriptors of A (M, K) and of w (N, K), two box widths
+        a_desc, b_desc, b2_desc,            # TMA descriptors of A (M, K) and of w (N, K) or B (K, N), two box widths
         c_desc, c2_desc,                    # ... of C (M, N), two box widths
         z_desc, z2_desc,                    # ... of Z (M, N), written only if EPILOGUE == 1
         bias_ptr,                           # bias (N,), read only if HAS_BIAS
         M, N, K,
         HAS_BIAS: gl.constexpr,
         EPILOGUE: gl.constexpr,             # 0: C = A w^T (+ bias); 1: also Z = that, and C = gelu(Z)
+        B_ROW_MAJOR: gl.constexpr,          # False: b_desc describes w (N, K); True: B (K, N) row-major
         GROUP_M: gl.constexpr,
         STAGES: gl.constexpr,               # shared-memory stages in the load ring
         num_warps: gl.constexpr,            # of the MMA partition (the producer adds one warp)
     ):
         # The descriptors are built on the host (ws_launch) and passed as kernel parameters, so
         # every thread of every partition sees them without a device-side fence. Their boxes
-        # fix the tile: BLOCK_M x BLOCK_K for A, BLOCK_N (EXTRA_N) x BLOCK_K for w, and so on.
+        # fix the tile: BLOCK_M x BLOCK_K for A, BLOCK_N (EXTRA_N) x BLOCK_K for w (BLOCK_K x
+        # BLOCK_N for a row-major B), and so on.
         dtype: gl.constexpr = a_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -226,9 +241,10 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         fence_async_shared()  # the initialised barriers, visible to the TMA unit
         gl.warp_specialize([
             (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, z_desc, z2_desc, c_smem,
-                              c2_smem, bias_ptr, M, N, K, HAS_BIAS, EPILOGUE,
+                              c2_smem, bias_ptr, M, N, K, HAS_BIAS, EPILOGUE, B_ROW_MAJOR,
                               GROUP_M, STAGES, num_warps)),
-            (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, GROUP_M, STAGES)),
+            (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, B_ROW_MAJOR,
+                         GROUP_M, STAGES)),
         ], [1], [40])  # the producer: 1 warp, 40 registers a thread (the MMA warps get the rest)
 
 
@@ -238,9 +254,20 @@ def _aligned(t: torch.Tensor) -> bool:
             and (t.stride(0) * t.element_size()) % 16 == 0)
 
 
+def b_row_major(b: torch.Tensor) -> bool | None:
+    """How the kernel can read b (K, N): False for the forward layout (b = w.t() of a
+    row-major, aligned (N, K) weight w), True for b itself row-major and aligned, None otherwise."""
+    if _aligned(b.t()):
+        return False
+    if _aligned(b):
+        return True
+    return None
+
+
 def ws_operands_fit(a, b, c, bias, activation, z) -> bool:
-    """The operands' half of ws_eligible (any device): dtypes, the forward layout, alignment,
-    bias but no activation or saved pre-activation, no dimension below 16."""
+    """The operands' half of ws_eligible (any device): dtypes, a layout of B it reads
+    (b_row_major), alignment, bias but no activation or saved pre-activation, no dimension
+    below 16."""
     if activation is not None or z is not None or a.dtype not in (torch.bfloat16, torch.float16):
         return False
     if c.dtype != a.dtype:
@@ -249,8 +276,7 @@ def ws_operands_fit(a, b, c, bias, activation, z) -> bool:
     N = b.shape[1]
     if min(M, N, K) < 16 or (bias is not None and bias.stride(0) != 1):
         return False
-    w = b.t()  # the forward layout: b = w.t() for a row-major (N, K) weight
-    return _aligned(a) and _aligned(w) and _aligned(c)
+    return _aligned(a) and b_row_major(b) is not None and _aligned(c)
 
 
 def ws_eligible(a, b, c, bias, activation, z) -> bool:
@@ -284,15 +310,17 @@ def ws_preferred(M: int, N: int, num_sms: int) -> bool:
 _LAYOUTS: dict = {}
 
 
-def _layouts(dtype):
-    """The NVMMA shared-memory layouts (swizzles) of the five descriptor boxes, per dtype."""
-    if dtype not in _LAYOUTS:
+def _layouts(dtype, row_major_b=False):
+    """The NVMMA shared-memory layouts (swizzles) of the five descriptor boxes, per dtype and
+    layout of B: A's, B's two (w's (N, K) boxes, or (K, N) ones for a row-major B), C's two."""
+    key = (dtype, row_major_b)
+    if key not in _LAYOUTS:
         gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
         get = gl.NVMMASharedLayout.get_default_for
-        _LAYOUTS[dtype] = [([bm, bn], get([bm, bn], gdt)) for bm, bn in
-                           ((BLOCK_M, BLOCK_K), (BLOCK_N, BLOCK_K), (EXTRA_N, BLOCK_K), (BLOCK_M, BLOCK_N),
-                            (BLOCK_M, EXTRA_N))]
-    return _LAYOUTS[dtype]
+        b_boxes = ((BLOCK_K, BLOCK_N), (BLOCK_K, EXTRA_N)) if row_major_b else ((BLOCK_N, BLOCK_K), (EXTRA_N, BLOCK_K))
+        _LAYOUTS[key] = [([bm, bn], get([bm, bn], gdt)) for bm, bn in
+                         ((BLOCK_M, BLOCK_K), *b_boxes, (BLOCK_M, BLOCK_N), (BLOCK_M, EXTRA_N))]
+    return _LAYOUTS[key]
 
 
 class _HostDesc:
@@ -308,11 +336,12 @@ class _HostDesc:
 
 
 def ws_tensors(a, b, c, z=None):
-    """The seven descriptor operands of a launch, in kernel order: A, w twice, C twice, Z twice
-    (w = b.t(); Z is C where the epilogue writes no Z)."""
-    w = b.t()
+    """The seven descriptor operands of a launch, in kernel order: A, B's memory twice (w = b.t()
+    for the forward layout, b itself when row-major), C twice, Z twice (Z is C where the epilogue
+    writes no Z)."""
+    bm = b if b_row_major(b) else b.t()
     z = c if z is None else z
-    return a, w, w, c, c, z, z
+    return a, bm, bm, c, c, z, z
 
 
 def lean_descriptors(a, b, c, z=None):
@@ -320,9 +349,9 @@ def lean_descriptors(a, b, c, z=None):
     return tuple(_HostDesc(t) for t in ws_tensors(a, b, c, z))
 
 
-def _layouts7(dtype):
+def _layouts7(dtype, row_major_b=False):
     """Box and layout of each of the seven descriptors: Z's are C's."""
-    layouts = _layouts(dtype)
+    layouts = _layouts(dtype, row_major_b)
     return layouts + layouts[3:5]
 
 
@@ -334,12 +363,14 @@ def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     M, K = a.shape
     N = b.shape[1]
-    descs = tuple(TensorDescriptor.from_tensor(t, box, layout)
-                  for t, (box, layout) in zip(ws_tensors(a, b, c, z if epilogue == 1 else None), _layouts7(a.dtype)))
+    row_major_b = b_row_major(b)
+    descs = tuple(TensorDescriptor.from_tensor(t, box, layout) for t, (box, layout) in
+                  zip(ws_tensors(a, b, c, z if epilogue == 1 else None), _layouts7(a.dtype, row_major_b)))
     tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N + EXTRA_N)
     grid = (min(num_programs or num_sms, tiles),)
     args = (*descs, bias if bias is not None else c, M, N, K)
-    kwargs = dict(HAS_BIAS=bias is not None, EPILOGUE=epilogue, GROUP_M=GROUP_M, STAGES=STAGES, num_warps=NUM_WARPS)
+    kwargs = dict(HAS_BIAS=bias is not None, EPILOGUE=epilogue, B_ROW_MAJOR=row_major_b, GROUP_M=GROUP_M,
+                  STAGES=STAGES, num_warps=NUM_WARPS)
     compiled = matmul_ws_kernel[grid](*args, **kwargs)
     return matmul_ws_kernel, compiled, grid, args, kwargs
 
