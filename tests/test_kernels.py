@@ -263,10 +263,13 @@ def test_streamk_stretches_cover_every_pair_once(total, programs):
         assert st[p][0] <= i < st[p][1], (i, p, st[p])
 
 
-# (M, N, K, programs): one program (no parts); stretches shorter and longer than a tile; one
-# K-step per program, so each tile is summed from as many parts as it has K-steps. (Capped at the
-# product's (tile, K-step) pairs, which on a GPU's 128 x 128 x 64 tiles are fewer.)
-STREAMK_CASES = [(96, 160, 200, 1), (96, 160, 200, 7), (96, 160, 200, 15), (64, 64, 64, 13), (40, 48, 96, 24)]
+# (M, N, K, programs): one program (no parts); stretches longer than a tile, ending mid-tile or
+# (15 programs) exactly on tile boundaries; shorter than a tile; one K-step per program, so each
+# tile is summed from as many parts as it has K-steps; edges in M, N and K with stretches that
+# straddle tiles. (Capped at the product's (tile, K-step) pairs, which on a GPU's 128 x 128 x 64
+# tiles are fewer.)
+STREAMK_CASES = [(96, 160, 200, 1), (96, 160, 200, 7), (96, 160, 200, 15), (64, 64, 64, 13), (40, 48, 96, 24),
+                 (104, 168, 200, 11), (104, 168, 200, 40)]
 
 
 @pytest.mark.parametrize("M,N,K,programs", STREAMK_CASES)
@@ -299,6 +302,8 @@ def test_streamk_reads_every_layout_and_strided_outputs():
             matmul(a, b, out=out, kernel="streamk")
             assert rel_err(out, reference(a, b)) < 1e-5, (a_t, b_t)
             assert buf[:, :8].isnan().all() and buf[:, 8 + N:].isnan().all()
+    a, b = rand(M, K + 8)[:, :K], rand(K, N + 16)[:, :N]  # column slices: row pitch wider than the row
+    assert rel_err(matmul(a, b, kernel="streamk"), reference(a, b)) < TOL[torch.bfloat16]
 
 
 def test_streamk_refusals_say_what_to_do():
@@ -311,6 +316,11 @@ def test_streamk_refusals_say_what_to_do():
         matmul(rand(64, 36)[:, :30], rand(30, 48), kernel="streamk")  # 60-byte rows: no descriptor
     with pytest.raises(ValueError, match="programs must be between 1 and"):
         streamk.launch(a, b, torch.empty(32, 48, device=DEVICE), programs=10**6)
+    # A vocabulary-wide product with a long K: many (tile, K-step) pairs, one program each. Refused
+    # before anything is read, so B can be a broadcast view that takes no memory.
+    big_a, big_b = rand(16, 8192), torch.zeros(1, dtype=torch.bfloat16, device=DEVICE).expand(8192, 50304)
+    with pytest.raises(ValueError, match="32-bit arithmetic; use fewer programs"):
+        streamk.launch(big_a, big_b, torch.empty(16, 50304, device=DEVICE), programs=streamk.pairs(16, 50304, 8192)[1])
 
 
 def test_auto_split_k_only_for_few_tiles_and_long_k():
@@ -563,10 +573,11 @@ def test_triton_linear_gelu_backward_sums_the_bias_in_its_own_pass(bias_grad, mo
 
 
 @pytest.mark.parametrize("activation", [None, "gelu"])
-def test_triton_linear_weight_gradient_on_streamk(activation, monkeypatch):
-    """WEIGHT_GRAD_KERNEL = "streamk" puts dW on the stream-K kernel (counted) and gives the same
-    gradients as the default path within fp32 accumulation error; a layer whose dW the kernel
-    cannot read (an odd width: no descriptor) falls back to "auto" instead of failing."""
+def test_triton_linear_gradients_on_streamk(activation, monkeypatch):
+    """INPUT_GRAD_KERNEL and WEIGHT_GRAD_KERNEL = "streamk" put dX and dW on the stream-K kernel
+    (counted) and give the default path's gradients: dW (fp32) within fp32 accumulation error, dX
+    (rounded to bf16 once, from sums in another order) within bf16's rounding. A layer whose
+    products the kernel cannot read (an odd width: no descriptor) falls back to "auto"."""
     from mpgpt.kernels import linear
     kinds = []
     real = mm._matmul_2d
@@ -574,6 +585,7 @@ def test_triton_linear_weight_gradient_on_streamk(activation, monkeypatch):
     monkeypatch.setattr(importlib.import_module("mpgpt.kernels.ops"), "_matmul_2d", mm._matmul_2d)
     grads = {}
     for choice in ("auto", "streamk"):
+        monkeypatch.setattr(linear, "INPUT_GRAD_KERNEL", choice)
         monkeypatch.setattr(linear, "WEIGHT_GRAD_KERNEL", choice)
         torch.manual_seed(0)
         lin = nn.Linear(64, 48, device=DEVICE)
@@ -582,10 +594,11 @@ def test_triton_linear_weight_gradient_on_streamk(activation, monkeypatch):
             y = TritonLinear.from_linear(lin, activation=activation)(x)
         kinds.clear()
         y.float().square().sum().backward()
-        assert kinds == ["auto", choice], kinds  # dX, then dW
+        assert kinds == [choice, choice], kinds  # dX, then dW
         grads[choice] = (x.grad, lin.weight.grad, lin.bias.grad)
-    for ref, got in zip(grads["auto"], grads["streamk"]):
-        assert rel_err(got, ref.double()) < 1e-5  # the same bf16 products, summed in another order
+    (dx, dw, db), (dx_sk, dw_sk, db_sk) = grads["auto"], grads["streamk"]
+    assert rel_err(dw_sk, dw.double()) < 1e-5 and rel_err(dx_sk, dx.double()) < TOL[torch.bfloat16]
+    assert torch.equal(db_sk, db)  # not a matmul: the same kernel either way
     lin = nn.Linear(36, 20, device=DEVICE)  # 36 bf16 inputs: 72-byte rows, no descriptor
     x = torch.randn(16, 36, device=DEVICE, requires_grad=True)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
@@ -609,12 +622,17 @@ def test_triton_linear_operators_pass_torch_opcheck():
     torch.library.opcheck(ops.gelu_backward, (g, z, False))
 
 
-@pytest.mark.parametrize("activation,use_bias", [("gelu", True), (None, False), ("gelu", "frozen")])
-def test_triton_linear_compiles_in_one_graph(activation, use_bias):
+@pytest.mark.parametrize("activation,use_bias,grad_kernel", [("gelu", True, "auto"), (None, False, "auto"),
+                                                             ("gelu", "frozen", "auto"), ("gelu", True, "streamk")])
+def test_triton_linear_compiles_in_one_graph(activation, use_bias, grad_kernel, monkeypatch):
     """torch.compile traces TritonLinear under autocast without a graph break (its kernels are
     custom operators, ops.py) and the compiled forward and backward give exactly eager's
-    numbers. Backend aot_eager: Dynamo and AOTAutograd trace as they do for inductor, then the
-    graph runs op by op, so this also runs on a CPU."""
+    numbers, also with the gradient products on another kernel (decided inside the operator,
+    where the tensors are real). Backend aot_eager: Dynamo and AOTAutograd trace as they do for
+    inductor, then the graph runs op by op, so this also runs on a CPU."""
+    from mpgpt.kernels import linear
+    monkeypatch.setattr(linear, "INPUT_GRAD_KERNEL", grad_kernel)
+    monkeypatch.setattr(linear, "WEIGHT_GRAD_KERNEL", grad_kernel)
     torch.manual_seed(0)
     layer = TritonLinear(64, 96, bias=bool(use_bias), activation=activation).to(DEVICE)
     if use_bias == "frozen":  # GELU's backward without the bias sums
@@ -883,7 +901,7 @@ def test_plan_on_sm90_takes_the_ws_kernel_where_preferred(fake_gpu):
     # dX = dY @ W reads W row-major: the ws kernel can, but `auto` keeps it on TMA until measured.
     dy, w = fake_cuda(12288, 3072), fake_cuda(3072, 768)
     p = plan(dy, w)
-    assert p.kernel == "tma" and "not measured" in p.reason, p
+    assert p.kernel == "tma" and "not measured" in p.reason and "ws_preferred" not in p.reason, p
     assert plan(dy, w, kernel="ws").kernel == "ws"
     for args, kw in (((x, wt, fake_cuda(768), "gelu"), {}), ((fake_cuda(12288, 768), FakeCuda((768, 764), (764, 1))), {}),
                      ((x, wt), {"out": FakeCuda((12288, 768), dtype=torch.float32)})):
@@ -1065,6 +1083,10 @@ def test_gpu_triton_linear_backward(activation, dx_kernel, dw_kernel, monkeypatc
     from mpgpt.kernels import linear
     monkeypatch.setattr(linear, "INPUT_GRAD_KERNEL", dx_kernel)
     monkeypatch.setattr(linear, "WEIGHT_GRAD_KERNEL", dw_kernel)
+    planned = []
+    real_plan = mm._plan_2d
+    monkeypatch.setattr(mm, "_plan_2d", lambda *a: planned.append(real_plan(*a).kernel) or real_plan(*a))
+    monkeypatch.setattr(launch, "lean_launch_enabled", lambda: False)  # every launch plans
     lin = nn.Linear(768, 3072, device="cuda")
     layer = TritonLinear.from_linear(lin, activation=activation)
     x = torch.randn(8, 512, 768, device="cuda", requires_grad=True)
@@ -1077,6 +1099,8 @@ def test_gpu_triton_linear_backward(activation, dx_kernel, dw_kernel, monkeypatc
     assert rel_err(x.grad, dx) < 1e-2
     assert rel_err(lin.weight.grad, dw) < 1e-2
     assert rel_err(lin.bias.grad, db) < 1e-2
+    if dx_kernel != "auto" and env.capability(x.device) == (9, 0):
+        assert {"ws", "streamk"} <= set(planned), planned  # the gradient products ran where asked
 
 
 @pytest.mark.sm80
@@ -1165,8 +1189,9 @@ def test_gpu_lean_launch_repeats_the_ordinary_launch(monkeypatch):
     launch.py). On fresh inputs it must give bit for bit what the ordinary path gives, and be
     right against float64; a misaligned view (Triton specialises on 16-byte alignment) must get a
     plan of its own. Cases: the forward layout with bias+GELU (TMA kernel on sm_90), with bias
-    only (warp-specialised kernel on sm_90), a strided grouped launch, and a weight gradient that
-    splits K."""
+    only (warp-specialised kernel on sm_90), a strided grouped launch, a weight gradient that
+    splits K, and on sm_90 a row-major B on the warp-specialised kernel and a weight gradient on
+    stream-K."""
     monkeypatch.delenv("MPGPT_LEAN_LAUNCH", raising=False)
     launch.CACHE.clear()
 
@@ -1179,12 +1204,17 @@ def test_gpu_lean_launch_repeats_the_ordinary_launch(monkeypatch):
             return rand(1000, 300)[:, :250], rand(250, 333), None, None, "grouped"
         if case == "split":  # dW = dY^T X with 12288 tokens: few output tiles, long K
             return rand(12288, 768).t(), rand(12288, 768), None, None, "auto"
+        if case == "ws_row_major":  # dX = dY @ W on the warp-specialised kernel (sm_90)
+            return rand(2048, 3072), rand(3072, 768), None, None, "ws"
+        if case == "streamk":  # dW on the stream-K kernel and its fixup (sm_90)
+            return rand(12288, 3072).t(), rand(12288, 768), None, None, "streamk"
         big = rand(777 * 512 + 1)  # misaligned: starts 2 bytes past an aligned address
         return big[1:].view(777, 512), rand(512, 640), rand(640), "relu", "auto"
 
     aligned = rand(777, 512), rand(512, 640), rand(640), "relu", "auto"
     matmul(aligned[0], aligned[1], aligned[2], aligned[3])  # the misaligned case's aligned twin
-    for case in ("forward", "ws", "grouped", "split", "misaligned"):
+    hopper = env.capability(torch.device("cuda")) == (9, 0)
+    for case in ("forward", "ws", "grouped", "split", "misaligned") + (("ws_row_major", "streamk") if hopper else ()):
         first = operands(case)
         n = len(launch.CACHE)
         matmul(first[0], first[1], first[2], first[3], kernel=first[4])

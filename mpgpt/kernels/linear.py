@@ -38,12 +38,13 @@ from torch import nn
 from mpgpt.fused_loss import first_derivative_only
 
 from . import ops
-from .matmul import ACTIVATIONS, _check, plan
+from .matmul import ACTIVATIONS, _check
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # The matmul kernels (matmul.KERNELS) of the two gradient products: "auto", or a kernel to use
-# wherever it can run ("auto" elsewhere), e.g. "streamk" for dW = dZ^T @ X and "ws" for dX = dZ @ W.
-# Read at every backward pass, so the kernel benchmark can time the layer each way.
+# wherever it can run ("auto" elsewhere: ops.matmul_impl decides), e.g. "streamk" for dW = dZ^T @ X
+# and "ws" for dX = dZ @ W. Read at every backward pass, so the kernel benchmark can time the layer
+# each way.
 INPUT_GRAD_KERNEL = "auto"
 WEIGHT_GRAD_KERNEL = "auto"
 _SQRT_2_OVER_PI = 0.7978845608028654
@@ -126,12 +127,11 @@ def _make_function(device_type: str, amp_decorators: bool = True):
             dx = dw = db = None
             mm = _op(ops.matmul, ops.matmul_impl)
             if ctx.needs_input_grad[0]:
-                dx = mm(g, w_lp, dtype, _runnable(INPUT_GRAD_KERNEL, g, w_lp)).view(ctx.x_shape)  # (M, out) @ (out, in)
+                dx = mm(g, w_lp, dtype, INPUT_GRAD_KERNEL).view(ctx.x_shape)  # (M, out) @ (out, in)
             if ctx.needs_input_grad[1]:
                 # fp32 accumulator written straight to the weight's dtype (fp32 master weights).
                 # (out, M) @ (M, in): g.t() is a strided view.
-                dw = mm(g.t(), x2, ctx.w_dtype if ctx.w_dtype == torch.float32 else dtype,
-                        _runnable(WEIGHT_GRAD_KERNEL, g.t(), x2))
+                dw = mm(g.t(), x2, ctx.w_dtype if ctx.w_dtype == torch.float32 else dtype, WEIGHT_GRAD_KERNEL)
             if want_db:
                 if db32 is None:
                     db32 = g.sum(0, dtype=torch.float32)  # fp32 sum, no fp32 copy of g
@@ -146,17 +146,6 @@ def _make_function(device_type: str, amp_decorators: bool = True):
 # while torch.compile traces the first call would break its graph.
 _FUNCTIONS: dict[tuple[str, bool], type] = {(d, c): _make_function(d, amp_decorators=not c)
                                             for d in ("cuda", "cpu") for c in (False, True)}
-
-
-def _runnable(kernel: str, a: torch.Tensor, b: torch.Tensor) -> str:
-    """`kernel` if matmul can run it for a @ b here (matmul.plan raises no error), else "auto"."""
-    if kernel == "auto":
-        return kernel
-    try:
-        plan(a, b, kernel=kernel)
-    except ValueError:
-        return "auto"
-    return kernel
 
 
 def _op(custom_op, impl):

@@ -209,7 +209,8 @@ def _plan_2d(a, b, c, bias, z, activation, kernel, split_k) -> Plan:
             elif ws.ws_preferred(M, N, env.num_sms(a.device)):
                 return Plan("ws", 1, False, f"{what}, {_epilogue_words(bias, activation)}: 128x192 tiles fill the "
                                             "waves better (ws_preferred)")
-            what += f", {_epilogue_words(bias, activation)}: 128x256 tiles fill the waves better (not ws_preferred)"
+            else:
+                what += f", {_epilogue_words(bias, activation)}: 128x256 tiles fill the waves better (not ws_preferred)"
         elif kernel == "auto" and tma_layout is not None and (activation is not None or z is not None):
             what += f", {_epilogue_words(bias, activation)} epilogue (the ws kernel has none)"
         elif kernel == "ws":

@@ -12,7 +12,7 @@ running anything. At run time the box runs our Python as usual, including the le
 
 The operators (namespace `mpgpt`):
     linear_forward(x2, w, bias, activation, keep_z) -> (y, z)   y = act(x2 @ w.T + bias), z its input
-    matmul(a, b, out_dtype, kernel) -> a @ b                     the two gradient GEMMs
+    matmul(a, b, out_dtype, kernel) -> a @ b                     the two gradient GEMMs (kernel: preferred)
     gelu_backward(grad, z, with_bias) -> (dz, db)                dz = grad * gelu'(z); with_bias: db = dz
                                                                  summed over rows, in the same pass
 
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import gelu
-from .matmul import _matmul_2d
+from .matmul import _matmul_2d, _plan_2d
 
 
 def linear_forward_impl(x2: Tensor, w: Tensor, bias: Optional[Tensor], activation: Optional[str],
@@ -43,8 +43,15 @@ def linear_forward_impl(x2: Tensor, w: Tensor, bias: Optional[Tensor], activatio
 
 def matmul_impl(a: Tensor, b: Tensor, out_dtype: torch.dtype, kernel: str = "auto") -> Tensor:
     """a @ b, a: (M, K), b: (K, N), any strides -> a new (M, N) tensor of out_dtype, on the
-    matmul kernel `kernel` names (matmul.KERNELS)."""
+    matmul kernel `kernel` names (matmul.KERNELS) where that kernel can run this product, on
+    "auto"'s choice where it cannot. (Decided here, on real tensors: while torch.compile traces
+    the caller, the operands are fake and have no addresses to check.)"""
     out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+    if kernel != "auto":
+        try:
+            _plan_2d(a, b, out, None, None, None, kernel, None)
+        except ValueError:
+            kernel = "auto"
     _matmul_2d(a, b, out, kernel=kernel)
     return out
 

@@ -216,9 +216,14 @@ def launch(a, b, c, programs: int | None = None):
     programs = programs_for(a.device, M, N, K) if programs is None else programs
     if not 1 <= programs <= total:
         raise ValueError(f"programs must be between 1 and the product's {total} (tile, K-step) pairs, got {programs}")
+    if total * programs >= 2**31:
+        raise ValueError(f"{programs} programs over {total} (tile, K-step) pairs overflow the kernel's 32-bit "
+                         "arithmetic; use fewer programs")
     interpreted = env.interpreting()
-    if interpreted:  # fp32 operands: exact copies of bf16/fp16 ones, which the interpreter cannot multiply
-        a, b = a.float(), b.float()
+    if interpreted:
+        # fp32 operands: exact copies of bf16/fp16 ones, which the interpreter cannot multiply,
+        # with the same strides (a copy of a column slice would otherwise get another row pitch)
+        a, b = (torch.empty_strided(t.shape, t.stride(), dtype=torch.float32).copy_(t) for t in (a, b))
     else:
         tma.set_allocator()
     (a_t, stride_a), (b_t, stride_b) = tma.operand_layout(a), tma.operand_layout(b)
