@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -508,7 +509,7 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------------------ chapter 6
 
-    def use_triton(self, enable: bool = True, layers: str = "all") -> "GPT":
+    def use_triton(self, enable: bool = True, layers: str = "all", weight_grad_kernel: str = "cublas") -> "GPT":
         """Swap the blocks' nn.Linear layers for Triton-kernel TritonLinear layers (or back).
 
         c_attn, attn.c_proj and mlp.c_proj become TritonLinear; mlp.c_fc becomes a TritonLinear
@@ -520,7 +521,9 @@ class GPT(nn.Module):
         its epilogue, GELU's backward and c_fc's bias gradient in one Triton pass, the other
         products cuBLAS; on GPUs other than sm_90 the product runs as torch ops.
         ``layers="mlp+qkv"`` adds ``mpgpt.kernels.qkv.qkv_heads`` to each attention layer: c_attn
-        as before, with its backward's head merge and bias gradient in one Triton pass. The new
+        as before, with its backward's head merge and bias gradient in one Triton pass.
+        ``weight_grad_kernel`` (the fused MLP only): "cublas", or a kernel of
+        ``mpgpt.kernels.matmul`` for the MLP's two weight gradients ("streamk"). The new
         layers share the very same Parameter objects, so an optimizer built before the swap keeps
         working and the state_dict keys do not change. enable=False swaps back (every form).
         Returns self.
@@ -528,14 +531,22 @@ class GPT(nn.Module):
         if layers not in ("all", "gelu", "mlp", "mlp+qkv"):
             raise ValueError(f"layers must be 'all', 'gelu' (only mlp.c_fc), 'mlp' (the fused MLP) or 'mlp+qkv' "
                              f"(and the fused attention input), got {layers!r}")
-        from mpgpt.kernels import TritonLinear  # imported here: Triton is optional for chapters 1-5
+        if weight_grad_kernel != "cublas" and not layers.startswith("mlp"):
+            raise ValueError(f"weight_grad_kernel applies to the fused MLP (layers='mlp' or 'mlp+qkv'), not "
+                             f"layers={layers!r}; TritonLinear takes its kernels from mpgpt.kernels.linear")
+        from mpgpt.kernels import KERNELS, TritonLinear  # imported here: Triton is optional for chapters 1-5
         from mpgpt.kernels.mlp import gelu_mlp
         from mpgpt.kernels.qkv import qkv_heads
+        if weight_grad_kernel != "cublas" and weight_grad_kernel not in KERNELS:
+            raise ValueError(f"weight_grad_kernel must be 'cublas' or one of {KERNELS}, got {weight_grad_kernel!r}")
 
         fused = enable and layers.startswith("mlp")
         for block in self.transformer.h:
             attn, mlp = block.attn, block.mlp
-            mlp.fused = gelu_mlp if fused else None
+            mlp.fused = None
+            if fused:
+                mlp.fused = gelu_mlp if weight_grad_kernel == "cublas" else \
+                    functools.partial(gelu_mlp, weight_grad_kernel=weight_grad_kernel)
             attn.fused_qkv = qkv_heads if enable and layers == "mlp+qkv" else None
             if enable and not fused:
                 plain = ((attn, "c_attn"), (attn, "c_proj"), (mlp, "c_proj")) if layers == "all" else ()

@@ -84,6 +84,17 @@ def test_every_row_compiles_afresh_and_inductor_settings_bypass_the_graph_cache(
                       "reset", ("build", base, plain), ("steps", plain)]
 
 
+def test_the_streamk_rows_differ_from_their_twins_only_in_the_mlp_weight_gradients():
+    """The two "+streamk-dw" rows are the fastest rows with and without biases, with the fused MLP's
+    weight gradients on the stream-K kernel: nothing else may differ, or their ratio would not
+    measure that one change."""
+    rows = [name for name in training.TRAIN_CONFIGS if "+streamk-dw" in name]
+    assert len(rows) == 2 and any("nobias" in name for name in rows), rows
+    for name in rows:
+        twin = training.TRAIN_CONFIGS[name.replace("+streamk-dw", "")]
+        assert training.TRAIN_CONFIGS[name] == {**twin, "mlp_dw": "streamk"}, name
+
+
 def test_the_ladder_is_one_change_per_rung_and_expands_from_its_name():
     """`--configs ladder` stands for LADDER. Its rungs up to the last one with biases each change one
     setting of the rung before, except where the 16-bit AdamW comes in and takes over the clip."""

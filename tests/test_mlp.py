@@ -113,6 +113,35 @@ def test_under_autocast_fp32_parameters_get_fp32_gradients(backward_path):
         assert rel_err(t.grad, ref) < TOL, f"{name}: {rel_err(t.grad, ref):.2e}"
 
 
+def test_the_weight_gradients_on_streamk(monkeypatch):
+    """weight_grad_kernel="streamk": the MLP's two weight gradients go through the package's matmul
+    on the stream-K kernel (both calls seen, with that kernel), straight into the fp32 parameters'
+    dtype, and every gradient still matches float64 as the cuBLAS path's do. (On a GPU other than
+    sm_90, or a product it cannot read, ops.matmul falls back to `auto`.)"""
+    if env.TRITON_IMPORT_ERROR is not None:
+        pytest.skip(env.TRITON_IMPORT_ERROR)
+    from mpgpt.kernels import ops
+    asked = []
+    real = ops.matmul_impl
+    monkeypatch.setattr(ops, "matmul_impl", lambda a, b, dt, kernel="auto": asked.append((kernel, dt)) or real(a, b, dt, kernel))
+    torch.manual_seed(6)
+    C = 32
+    w_fc, b_fc, w_proj, b_proj = params(C, torch.float32)
+    x = torch.randn(96, C, device=DEVICE, requires_grad=True)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, weight_grad_kernel="streamk")
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    assert asked == [("streamk", torch.float32)] * 2, asked  # d_w_proj, then d_w_fc
+    lp = [t.detach().to(torch.bfloat16) for t in (x, w_fc, b_fc, w_proj, b_proj)]
+    _, ref_grads = float64_reference(*lp, grad_out)
+    for name, t, ref in zip(("x", "w_fc", "b_fc", "w_proj", "b_proj"), (x, w_fc, b_fc, w_proj, b_proj), ref_grads):
+        assert t.grad.dtype == torch.float32, name
+        assert rel_err(t.grad, ref) < TOL, f"{name}: {rel_err(t.grad, ref):.2e}"
+    with pytest.raises(ValueError, match="weight_grad_kernel must be 'cublas' or one of"):
+        mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, weight_grad_kernel="stream-k")
+
+
 def test_an_fp32_model_outside_autocast_runs_the_unfused_ops_exactly():
     torch.manual_seed(2)
     w_fc, b_fc, w_proj, b_proj = params(16, torch.float32)
@@ -161,6 +190,14 @@ def test_use_triton_mlp_keeps_the_parameters_and_the_gradients():
     assert_same_loss_and_gradients(ref, model, DEVICE)
     model.use_triton(enable=False)
     assert all(block.mlp.fused is None for block in model.transformer.h)
+    # The weight gradients' kernel travels with the fused MLP, and only with it.
+    model.use_triton(layers="mlp+qkv", weight_grad_kernel="streamk")
+    assert all(block.mlp.fused.func is mlp.gelu_mlp and block.mlp.fused.keywords == {"weight_grad_kernel": "streamk"}
+               for block in model.transformer.h)
+    with pytest.raises(ValueError, match="applies to the fused MLP"):
+        model.use_triton(layers="all", weight_grad_kernel="streamk")
+    with pytest.raises(ValueError, match="must be 'cublas' or one of"):
+        model.use_triton(layers="mlp", weight_grad_kernel="fast")
 
 
 def test_the_fused_mlp_compiles_into_one_graph():
@@ -179,6 +216,13 @@ def test_the_fused_mlp_compiles_into_one_graph():
     assert "mpgpt.gelu_linear" in forward_code
     # ... and GELU's backward with the bias gradient is one node of the backward graph too
     assert "mpgpt.gelu_backward_bias" in backward_code
+    if env.TRITON_IMPORT_ERROR is None:  # the weight gradients on stream-K: two more operator nodes
+        def step_sk(x, w_fc, b_fc, w_proj, b_proj):
+            return mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, weight_grad_kernel="streamk").float().square().sum()
+        for t in leaves:
+            t.grad = None  # the first check left eager's gradients in place
+        _, backward_code = assert_compiles_like_eager(step_sk, leaves, leaves)
+        assert backward_code.count("mpgpt.matmul.default") == 2
 
 
 def test_layers_must_be_named():

@@ -45,9 +45,11 @@ REFERENCE_PEAK = PEAK_BF16["H200"]
 # cuda_graph: the whole step recorded once and replayed (TrainConfig.cuda_graph, mpgpt.graph_step).
 # optim16: the model kept in bf16 and trained by the fused 16-bit AdamW (TrainConfig.optim16).
 # fused_ln: each residual add with its LayerNorm, the backward in one Triton pass (GPT.set_fused_layer_norm).
+# mlp_dw: the fused MLP's two weight gradients on that matmul kernel instead of cuBLAS (GPT.use_triton's
+# weight_grad_kernel).
 def _config(precision, scaler="none", compile=None, triton=False, bias=True, checkpointing=False, chunked_loss=0,
             attention="sdpa", clip=True, fused_loss=False, fused_clip=False, inductor=None, cuda_graph=False,
-            optim16=None, fused_ln=False):
+            optim16=None, fused_ln=False, mlp_dw=None):
     spec = dict(precision=precision, scaler=scaler, compile=compile, triton=triton, bias=bias,
                 checkpointing=checkpointing, chunked_loss=chunked_loss, attention=attention, clip=clip,
                 fused_loss=fused_loss)
@@ -61,6 +63,8 @@ def _config(precision, scaler="none", compile=None, triton=False, bias=True, che
         spec["optim16"] = optim16
     if fused_ln:
         spec["fused_ln"] = True
+    if mlp_dw:
+        spec["mlp_dw"] = mlp_dw
     return spec
 
 
@@ -177,6 +181,14 @@ TRAIN_CONFIGS = {
     "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+fused-ln+step-graph+no-mix-order": _config(
         "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
         optim16="bf16-mantissa", triton="mlp", fused_ln=True),
+    # ... with the MLP's two weight gradients (1.09 waves of 128 x 128 tiles on 132 SMs) on the
+    # stream-K kernel (kernels/streamk.py) instead of cuBLAS, with and without GPT-2's biases.
+    "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+streamk-dw+step-graph+no-mix-order": _config(
+        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="bf16-mantissa",
+        triton="mlp+qkv", fused_ln=True, mlp_dw="streamk"),
+    "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+fused-ln+streamk-dw+step-graph+no-mix-order": _config(
+        "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
+        optim16="bf16-mantissa", triton="mlp", fused_ln=True, mlp_dw="streamk"),
     "bf16+compile-nobias+fused-ce+optim16+triton-mlp+step-graph+no-mix-order": _config(
         "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
         optim16="fp32-master", triton="mlp"),
@@ -316,7 +328,8 @@ def make_trainer(name, preset="gpt2", batch_size=12, block_size=None, device=Non
     overrides = {"block_size": block_size} if block_size else {}
     model = GPT(GPTConfig.preset(preset, bias=spec["bias"], attention=spec["attention"], **overrides))
     if spec["triton"]:
-        model.use_triton(True, layers=spec["triton"] if isinstance(spec["triton"], str) else "all")
+        model.use_triton(True, layers=spec["triton"] if isinstance(spec["triton"], str) else "all",
+                         weight_grad_kernel=spec.get("mlp_dw", "cublas"))
     if checkpointing or spec["checkpointing"]:
         model.set_activation_checkpointing(True)
     if spec["chunked_loss"]:

@@ -12,7 +12,8 @@ GPT-2's c_fc shape (95.9 against 92.5 us, do_bench on the H200):
                out = Y W_proj^T + b_proj             cuBLAS (torch)
     backward   dH = dOut W_proj                        cuBLAS
                dZ = dH * gelu'(Z), db_fc = sum_rows dZ  one Triton pass (gelu.py) on a GPU
-               the weight gradients and dx              cuBLAS
+               the weight gradients and dx              cuBLAS (the weight gradients: or, with
+                                                        weight_grad_kernel="streamk", streamk.py)
 
 Unfused, GELU's backward and c_fc's bias gradient are two passes (Inductor's pointwise kernel,
 then a column reduction that reads dZ again): 0.75 + 0.27 ms of the step. `gelu_backward_bias`
@@ -46,6 +47,7 @@ from mpgpt.fused_loss import first_derivative_only
 
 from . import env, ops, ws
 from .linear import _compute_dtype, _op
+from .matmul import KERNELS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -95,12 +97,22 @@ def _(h, z, with_bias):
 # ----------------------------------------------------------------------------------------------
 # The autograd Function and the functional form
 # ----------------------------------------------------------------------------------------------
+def _weight_grad(a: Tensor, b: Tensor, out_dtype: torch.dtype, kernel: str) -> Tensor:
+    """a @ b for a weight gradient, (out, tokens) @ (tokens, in). kernel "cublas": torch's matmul
+    in a's dtype, then cast (what nn.Linear's backward does under autocast); otherwise that kernel
+    of mpgpt.kernels.matmul (e.g. "streamk", where it can run), which writes out_dtype straight
+    from its fp32 sums."""
+    if kernel == "cublas" or env.TRITON_IMPORT_ERROR is not None:
+        return (a @ b).to(out_dtype)
+    return _op(ops.matmul, ops.matmul_impl)(a, b, out_dtype, kernel)
+
+
 class _GeluMLPFunction(torch.autograd.Function):
     """Forward and backward as in the module docstring. Every op in the backward pass works in the
     saved tensors' dtype, so it does not depend on the autocast state it runs under."""
 
     @staticmethod
-    def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, dtype):
+    def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, dtype, weight_grad_kernel):
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, C)
         w_fc_lp, w_proj_lp = w_fc.to(dtype), w_proj.to(dtype)
         b_fc_lp = b_fc.to(dtype) if b_fc is not None else None
@@ -111,6 +123,7 @@ class _GeluMLPFunction(torch.autograd.Function):
         ctx.shapes = (x.shape, x.dtype)
         ctx.dtypes = (w_fc.dtype, None if b_fc is None else b_fc.dtype, w_proj.dtype,
                       None if b_proj is None else b_proj.dtype)
+        ctx.weight_grad_kernel = weight_grad_kernel
         return out.view(*x.shape[:-1], w_proj.shape[0])
 
     @staticmethod
@@ -119,18 +132,23 @@ class _GeluMLPFunction(torch.autograd.Function):
         x2, w_fc_lp, w_proj_lp, y, z = ctx.saved_tensors
         (x_shape, x_dtype), (w_fc_dt, b_fc_dt, w_proj_dt, b_proj_dt) = ctx.shapes, ctx.dtypes
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(w_proj_lp.dtype).contiguous()  # dOut: (M, C)
-        d_w_proj = (g.t() @ y).to(w_proj_dt)                                          # (C, 4C)
+        d_w_proj = _weight_grad(g.t(), y, w_proj_dt, ctx.weight_grad_kernel)          # (C, 4C)
         d_b_proj = g.sum(0, dtype=torch.float32).to(b_proj_dt) if b_proj_dt is not None else None
         dz, d_b_fc = _op(gelu_backward_op, gelu_backward_impl)(g @ w_proj_lp, z, b_fc_dt is not None)  # (M, 4C), (4C,)
-        d_w_fc = (dz.t() @ x2).to(w_fc_dt)                                                    # (4C, C)
+        d_w_fc = _weight_grad(dz.t(), x2, w_fc_dt, ctx.weight_grad_kernel)                    # (4C, C)
         dx = (dz @ w_fc_lp).to(x_dtype).view(x_shape)                                         # (M, C)
-        return dx, d_w_fc, d_b_fc.to(b_fc_dt) if b_fc_dt is not None else None, d_w_proj, d_b_proj, None
+        return dx, d_w_fc, d_b_fc.to(b_fc_dt) if b_fc_dt is not None else None, d_w_proj, d_b_proj, None, None
 
 
-def gelu_mlp(x: Tensor, w_fc: Tensor, b_fc: Optional[Tensor], w_proj: Tensor, b_proj: Optional[Tensor]) -> Tensor:
+def gelu_mlp(x: Tensor, w_fc: Tensor, b_fc: Optional[Tensor], w_proj: Tensor, b_proj: Optional[Tensor],
+             weight_grad_kernel: str = "cublas") -> Tensor:
     """gelu(x @ w_fc.T + b_fc) @ w_proj.T + b_proj (GELU's tanh approximation), with GELU fused as
-    the module docstring says; for an fp32 model outside autocast, exactly the unfused torch ops."""
+    the module docstring says; for an fp32 model outside autocast, exactly the unfused torch ops.
+    weight_grad_kernel: "cublas", or a kernel of mpgpt.kernels.matmul for the two weight
+    gradients (see _weight_grad; "streamk" is the one meant for their shape)."""
+    if weight_grad_kernel != "cublas" and weight_grad_kernel not in KERNELS:
+        raise ValueError(f"weight_grad_kernel must be 'cublas' or one of {KERNELS}, got {weight_grad_kernel!r}")
     dtype = _compute_dtype(x)
     if dtype is None:
         return F.linear(F.gelu(F.linear(x, w_fc, b_fc), approximate="tanh"), w_proj, b_proj)
-    return _GeluMLPFunction.apply(x, w_fc, b_fc, w_proj, b_proj, dtype)
+    return _GeluMLPFunction.apply(x, w_fc, b_fc, w_proj, b_proj, dtype, weight_grad_kernel)
