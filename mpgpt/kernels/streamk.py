@@ -44,6 +44,7 @@ from . import env, tma
 from .env import tl, triton
 from .epilogue import tile_coords
 from .launch import compiled_launch
+from .tma import load_operands, operand_descriptors
 
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 128, 128, 64, 8
 NUM_STAGES, NUM_WARPS = 4, 8
@@ -66,18 +67,8 @@ def streamk_kernel(
     NUM_PROGRAMS: tl.constexpr,     # the persistent grid (the host keeps it <= total)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    if A_T:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1],
-                                           block_shape=[BLOCK_K, BLOCK_M])
-    else:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1],
-                                           block_shape=[BLOCK_M, BLOCK_K])
-    if B_T:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1],
-                                           block_shape=[BLOCK_N, BLOCK_K])
-    else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1],
-                                           block_shape=[BLOCK_K, BLOCK_N])
+    a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N, K, stride_a, stride_b, A_T, B_T,
+                                         BLOCK_M, BLOCK_N, BLOCK_K)   # as the TMA kernel's (tma.py)
 
     pid = tl.program_id(axis=0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -100,15 +91,7 @@ def streamk_kernel(
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)          # (BLOCK_M, BLOCK_N)
         for ki in range(k_lo, k_hi):
-            off_k = ki * BLOCK_K
-            if A_T:
-                a = a_desc.load([off_k, off_m]).T                      # (BLOCK_K, BLOCK_M) -> (BLOCK_M, BLOCK_K)
-            else:
-                a = a_desc.load([off_m, off_k])                        # (BLOCK_M, BLOCK_K)
-            if B_T:
-                b = b_desc.load([off_n, off_k]).T                      # (BLOCK_N, BLOCK_K) -> (BLOCK_K, BLOCK_N)
-            else:
-                b = b_desc.load([off_k, off_n])                        # (BLOCK_K, BLOCK_N)
+            a, b = load_operands(a_desc, b_desc, off_m, off_n, ki * BLOCK_K, A_T, B_T)  # (BM, BK), (BK, BN)
             acc = tl.dot(a, b, acc)
         if (k_lo == 0) & (k_hi == k_steps):
             # the whole tile: no other program touches it, so it goes straight to c

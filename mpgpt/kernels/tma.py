@@ -70,6 +70,43 @@ FIXED = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, EPILOGUE_SUBTILE=F
 # The kernel
 # ----------------------------------------------------------------------------------------------
 @triton.jit
+def operand_descriptors(a_ptr, b_ptr, M, N, K, stride_a, stride_b, A_T: tl.constexpr, B_T: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Device-built TMA descriptors of A (M, K) and B (K, N) as they lie in memory: each may hold
+    its transpose, row-major (A_T: A's memory is (K, M); B_T: B's memory is (N, K)), with a box
+    of one tile. Shared by this kernel and the stream-K kernel (streamk.py)."""
+    if A_T:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1],
+                                           block_shape=[BLOCK_K, BLOCK_M])
+    else:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+    if B_T:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
+    return a_desc, b_desc
+
+
+@triton.jit
+def load_operands(a_desc, b_desc, off_m, off_n, off_k, A_T: tl.constexpr, B_T: tl.constexpr):
+    """A's (BLOCK_M, BLOCK_K) tile at (off_m, off_k) and B's (BLOCK_K, BLOCK_N) tile at
+    (off_k, off_n), loaded through the descriptors of operand_descriptors; a transposed operand
+    is loaded as stored and read through a transposed view (no data moves)."""
+    if A_T:
+        a = a_desc.load([off_k, off_m]).T                      # (BLOCK_K, BLOCK_M) -> (BLOCK_M, BLOCK_K)
+    else:
+        a = a_desc.load([off_m, off_k])                        # (BLOCK_M, BLOCK_K)
+    if B_T:
+        b = b_desc.load([off_n, off_k]).T                      # (BLOCK_N, BLOCK_K) -> (BLOCK_K, BLOCK_N)
+    else:
+        b = b_desc.load([off_k, off_n])                        # (BLOCK_K, BLOCK_N)
+    return a, b
+
+
+@triton.jit
 def matmul_kernel_tma(
     a_ptr, b_ptr, c_ptr, bias_ptr, z_ptr,   # as in grouped.matmul_kernel
     M, N, K,
@@ -89,18 +126,8 @@ def matmul_kernel_tma(
 ):
     # TMA descriptors describe the whole matrix once; loads then name a tile by its corner and
     # the copy engine fetches it into shared memory, zero-filling whatever lies past the edge.
-    if A_T:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1],
-                                           block_shape=[BLOCK_K, BLOCK_M])
-    else:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1],
-                                           block_shape=[BLOCK_M, BLOCK_K])
-    if B_T:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1],
-                                           block_shape=[BLOCK_N, BLOCK_K])
-    else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1],
-                                           block_shape=[BLOCK_K, BLOCK_N])
+    a_desc, b_desc = operand_descriptors(a_ptr, b_ptr, M, N, K, stride_a, stride_b, A_T, B_T,
+                                         BLOCK_M, BLOCK_N, BLOCK_K)
     SUB_N: tl.constexpr = BLOCK_N // 2 if EPILOGUE_SUBTILE else BLOCK_N
     USE_TMA_STORE: tl.constexpr = TMA_STORE and TMA_STORE_OK
     NUM_PROGRAMS: tl.constexpr = NUM_SMS * PPS  # programs launched; each loops over tiles
@@ -131,15 +158,7 @@ def matmul_kernel_tma(
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)          # (BLOCK_M, BLOCK_N)
         for ki in range(k_tiles):
-            off_k = ki * BLOCK_K
-            if A_T:
-                a = a_desc.load([off_k, off_m]).T                      # (BLOCK_K, BLOCK_M) -> (BLOCK_M, BLOCK_K)
-            else:
-                a = a_desc.load([off_m, off_k])                        # (BLOCK_M, BLOCK_K)
-            if B_T:
-                b = b_desc.load([off_n, off_k]).T                      # (BLOCK_N, BLOCK_K) -> (BLOCK_K, BLOCK_N)
-            else:
-                b = b_desc.load([off_k, off_n])                        # (BLOCK_K, BLOCK_N)
+            a, b = load_operands(a_desc, b_desc, off_m, off_n, ki * BLOCK_K, A_T, B_T)  # (BM, BK), (BK, BN)
             acc = tl.dot(a, b, acc)
 
         tile_id_c += NUM_PROGRAMS
