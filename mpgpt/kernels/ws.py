@@ -335,18 +335,18 @@ class _HostDesc:
         self.base, self.shape, self.strides, self.padding = base, base.shape, base.stride(), "zero"
 
 
-def ws_tensors(a, b, c, z=None):
+def ws_tensors(a, b, c, z=None, row_major_b=None):
     """The seven descriptor operands of a launch, in kernel order: A, B's memory twice (w = b.t()
-    for the forward layout, b itself when row-major), C twice, Z twice (Z is C where the epilogue
-    writes no Z)."""
-    bm = b if b_row_major(b) else b.t()
+    for the forward layout, b itself when row-major; row_major_b: b_row_major(b) if the caller
+    knows it), C twice, Z twice (Z is C where the epilogue writes no Z)."""
+    bm = b if (b_row_major(b) if row_major_b is None else row_major_b) else b.t()
     z = c if z is None else z
     return a, bm, bm, c, c, z, z
 
 
-def lean_descriptors(a, b, c, z=None):
+def lean_descriptors(a, b, c, z=None, row_major_b=None):
     """The seven descriptor arguments for a repeated launch (see _HostDesc)."""
-    return tuple(_HostDesc(t) for t in ws_tensors(a, b, c, z))
+    return tuple(_HostDesc(t) for t in ws_tensors(a, b, c, z, row_major_b))
 
 
 def _layouts7(dtype, row_major_b=False):
@@ -383,9 +383,10 @@ def launch(a, b, c, bias=None):
     remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=8)
     if remembered is None:
         return None
+    row_major_b = kwargs["B_ROW_MAJOR"]  # the same for every call of this signature (strides are in it)
 
     def replay(a, b, c, bias, z):  # seven host-built descriptors, then the bias
-        remembered(a.device.index, *lean_descriptors(a, b, c), bias if bias is not None else c)
+        remembered(a.device.index, *lean_descriptors(a, b, c, None, row_major_b), bias if bias is not None else c)
     return replay
 
 
@@ -426,7 +427,7 @@ def gelu_forward(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
            None if bias is None else (bias.dtype, bias.stride(), bias.data_ptr() % 16))
     remembered = _GELU_LAUNCHES.get(key) if lean_launch_enabled() else None  # the switches, read at every call
     if remembered is not None:
-        remembered(a.device.index, *lean_descriptors(a, w.t(), y, z), bias if bias is not None else y)
+        remembered(a.device.index, *lean_descriptors(a, w.t(), y, z, False), bias if bias is not None else y)
         return y, z
     jit_fn, compiled, grid, args, kwargs = ws_launch(a, w.t(), y, bias, env.num_sms(a.device), epilogue=1, z=z)
     if lean_launch_enabled():
