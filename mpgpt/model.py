@@ -534,11 +534,10 @@ class GPT(nn.Module):
         if weight_grad_kernel != "cublas" and not layers.startswith("mlp"):
             raise ValueError(f"weight_grad_kernel applies to the fused MLP (layers='mlp' or 'mlp+qkv'), not "
                              f"layers={layers!r}; TritonLinear takes its kernels from mpgpt.kernels.linear")
-        from mpgpt.kernels import KERNELS, TritonLinear  # imported here: Triton is optional for chapters 1-5
-        from mpgpt.kernels.mlp import gelu_mlp
+        from mpgpt.kernels import TritonLinear  # imported here: Triton is optional for chapters 1-5
+        from mpgpt.kernels.mlp import check_weight_grad_kernel, gelu_mlp
         from mpgpt.kernels.qkv import qkv_heads
-        if weight_grad_kernel != "cublas" and weight_grad_kernel not in KERNELS:
-            raise ValueError(f"weight_grad_kernel must be 'cublas' or one of {KERNELS}, got {weight_grad_kernel!r}")
+        check_weight_grad_kernel(weight_grad_kernel)
 
         fused = enable and layers.startswith("mlp")
         for block in self.transformer.h:

@@ -604,8 +604,12 @@ def test_triton_linear_gradients_on_streamk(activation, monkeypatch):
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
         y = TritonLinear.from_linear(lin)(x)
     kinds.clear()
-    y.float().sum().backward()
+    with pytest.warns(UserWarning, match="kernel='streamk' cannot run this .* running kernel='auto' instead"):
+        y.float().sum().backward()
     assert kinds == ["auto", "auto"] and torch.isfinite(lin.weight.grad).all()
+    from mpgpt.kernels import ops
+    with pytest.raises(ValueError, match="kernel must be one of"):  # a typo is an error, not a fallback
+        ops.matmul_impl(rand(32, 48), rand(48, 16), torch.float32, "stream-k")
 
 
 def test_triton_linear_operators_pass_torch_opcheck():

@@ -413,6 +413,14 @@ def linear_case(M, fin, fout, act):
     return lin, ref_layer, tri_layer, x, g, step
 
 
+def _grads(fn, params):
+    """The gradients of ``params`` after one call of ``fn`` (a forward + backward), as fp32 copies."""
+    for p in params:
+        p.grad = None
+    fn()
+    return [p.grad.detach().float().clone() for p in params]
+
+
 def bench_linear(M=12288):
     rows = []
     for label, fin, fout, act in LINEAR_SHAPES:
@@ -425,15 +433,21 @@ def bench_linear(M=12288):
         graph_tri = _graph_ms(step(tri_layer), params)
         # The same layer with its gradient products on other kernels, where they can run (sm_90):
         # dW on stream-K, then dX on the warp-specialised kernel as well. `auto` elsewhere.
+        # Each setting's gradients are first compared with the default path's, so a wrong kernel
+        # cannot pass as a fast one.
         grad_kernels = {}
         if kenv.capability(x.device) == (9, 0):
+            reference_grads = _grads(step(tri_layer), params)
             for name, dx_kernel, dw_kernel in (("dw_streamk", "auto", "streamk"), ("dx_ws_dw_streamk", "ws", "streamk")):
                 linear.INPUT_GRAD_KERNEL, linear.WEIGHT_GRAD_KERNEL = dx_kernel, dw_kernel
                 try:
+                    diffs = [((g - r).norm() / r.norm()).item()
+                             for g, r in zip(_grads(step(tri_layer), params), reference_grads)]
                     ms_k = _graph_ms(step(tri_layer), params)
                 finally:
                     linear.INPUT_GRAD_KERNEL = linear.WEIGHT_GRAD_KERNEL = "auto"
-                grad_kernels[name] = {"graph_ms": ms_k, "graph_speedup": graph_ref / ms_k}
+                grad_kernels[name] = {"graph_ms": ms_k, "graph_speedup": graph_ref / ms_k,
+                                      "grad_rel_diff_vs_default": dict(zip(("x", "weight", "bias"), diffs))}
         flops = 3 * 2.0 * M * fin * fout  # forward + two backward GEMMs
         row = {"layer": label, "M": M, "in": fin, "out": fout, "activation": act,
                "nn_linear_ms": ms_ref, "triton_linear_ms": ms_tri, "speedup": ms_ref / ms_tri,
@@ -442,7 +456,8 @@ def bench_linear(M=12288):
                          "speedup": graph_ref / graph_tri},
                "grad_kernels": grad_kernels}
         rows.append(row)
-        sk = "".join(f"; {k} {v['graph_ms']*1e3:.0f} us ({v['graph_speedup']:.2f}x)" for k, v in grad_kernels.items())
+        sk = "".join(f"; {k} {v['graph_ms']*1e3:.0f} us ({v['graph_speedup']:.2f}x, gradients within "
+                     f"{max(v['grad_rel_diff_vs_default'].values()):.1e} of the default's)" for k, v in grad_kernels.items())
         print(f"fwd+bwd {label:>12} ({M}x{fin}->{fout}): nn.Linear {ms_ref*1e3:7.0f} us | "
               f"TritonLinear {ms_tri*1e3:7.0f} us ({row['speedup']:.2f}x) | recorded as a graph: "
               f"{graph_ref*1e3:.0f} vs {graph_tri*1e3:.0f} us ({row['graph']['speedup']:.2f}x){sk}", flush=True)
@@ -471,10 +486,12 @@ def bench_gradients(tokens=12288):
             row = {"layer": label, "product": product, "out": fout, "in": fin, "tokens": tokens,
                    "cublas_ms": ms, "cublas_tflops": flops / ms * 1e-9}
             for kern in kerns:
-                out = torch.empty(ref.shape, device="cuda", dtype=out_dtype)
+                # NaN-filled outputs: a tile a kernel leaves unwritten shows as NaN, not as the
+                # previous kernel's answer left in a reused block of memory
+                out = torch.full(ref.shape, float("nan"), device="cuda", dtype=out_dtype)
                 matmul(a, b, out=out, kernel=kern)
                 err = ((out.double() - ref).norm() / ref.norm()).item()
-                again = matmul(a, b, out=torch.empty_like(out), kernel=kern)
+                again = matmul(a, b, out=torch.full_like(out, float("nan")), kernel=kern)
                 ms_k = _graph_ms(lambda: matmul(a, b, out=out, kernel=kern))
                 p = plan(a, b, out=out, kernel=kern)
                 row[kern] = {"graph_ms": ms_k, "vs_cublas": ms / ms_k, "tflops": flops / ms_k * 1e-9,
@@ -485,7 +502,8 @@ def bench_gradients(tokens=12288):
             rows.append(row)
             print(f"{product} {label:>12} ({tuple(a.shape)} @ {tuple(b.shape)}), graph replay: cuBLAS {ms*1e3:.1f} us | "
                   + " | ".join(f"{k} ({row[k]['kernel']}{'/' + str(row[k]['split_k']) if row[k]['split_k'] > 1 else ''}) "
-                               f"{row[k]['graph_ms']*1e3:.1f} us ({row[k]['vs_cublas']:.2f}x)" for k in kerns), flush=True)
+                               f"{row[k]['graph_ms']*1e3:.1f} us ({row[k]['vs_cublas']:.2f}x, "
+                               f"error {row[k]['rel_err_vs_float64']:.1e})" for k in kerns), flush=True)
         del g, x, w
     return rows
 
@@ -516,6 +534,7 @@ def main(argv=None) -> int:
         kernels = [k for k in kernels if k != "tma"]
     if cc != (9, 0):
         kernels = [k for k in kernels if k != "ws"]
+    kernels = [k for k in kernels if k != "streamk"]  # no epilogue: timed on the gradient products (part grads)
     skip = set(filter(None, args.skip.split(",")))
 
     env = environment(argv)
@@ -530,7 +549,7 @@ def main(argv=None) -> int:
              ("gelu_backward", bench_gelu_backward),
              ("merge_heads", bench_merge_heads),
              ("layer_norm_backward", bench_layer_norm_backward)]
-    if cc >= (9, 0):  # the TMA and stream-K kernels are Hopper's
+    if cc == (9, 0):  # the stream-K kernel, and the ws kernel it is compared with, are Hopper's
         parts.append(("grads", bench_gradients))
     for name, run in parts:
         if name.split("_")[0] in skip or name in skip:

@@ -49,6 +49,17 @@ from . import env, ops, ws
 from .linear import _compute_dtype, _op
 from .matmul import KERNELS
 
+# What may compute the MLP's weight gradients: cuBLAS (torch's matmul), or one of the package's
+# matmul kernels that can read a weight gradient's transposed A (not ws, written for B's layouts).
+WEIGHT_GRAD_KERNELS = ("cublas",) + tuple(k for k in KERNELS if k != "ws")
+
+
+def check_weight_grad_kernel(kernel: str) -> str:
+    """kernel, if it is one of WEIGHT_GRAD_KERNELS; otherwise a ValueError that lists them."""
+    if kernel not in WEIGHT_GRAD_KERNELS:
+        raise ValueError(f"weight_grad_kernel must be one of {WEIGHT_GRAD_KERNELS}, got {kernel!r}")
+    return kernel
+
 
 # ----------------------------------------------------------------------------------------------
 # The fused product, as a custom operator (so torch.compile keeps it as a single node)
@@ -145,9 +156,8 @@ def gelu_mlp(x: Tensor, w_fc: Tensor, b_fc: Optional[Tensor], w_proj: Tensor, b_
     """gelu(x @ w_fc.T + b_fc) @ w_proj.T + b_proj (GELU's tanh approximation), with GELU fused as
     the module docstring says; for an fp32 model outside autocast, exactly the unfused torch ops.
     weight_grad_kernel: "cublas", or a kernel of mpgpt.kernels.matmul for the two weight
-    gradients (see _weight_grad; "streamk" is the one meant for their shape)."""
-    if weight_grad_kernel != "cublas" and weight_grad_kernel not in KERNELS:
-        raise ValueError(f"weight_grad_kernel must be 'cublas' or one of {KERNELS}, got {weight_grad_kernel!r}")
+    gradients (WEIGHT_GRAD_KERNELS; see _weight_grad: "streamk" is the one meant for their shape)."""
+    check_weight_grad_kernel(weight_grad_kernel)
     dtype = _compute_dtype(x)
     if dtype is None:
         return F.linear(F.gelu(F.linear(x, w_fc, b_fc), approximate="tanh"), w_proj, b_proj)

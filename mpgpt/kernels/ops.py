@@ -22,13 +22,14 @@ host time.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import gelu
-from .matmul import _matmul_2d, _plan_2d
+from .matmul import KERNELS, _matmul_2d, _plan_2d
 
 
 def linear_forward_impl(x2: Tensor, w: Tensor, bias: Optional[Tensor], activation: Optional[str],
@@ -44,13 +45,18 @@ def linear_forward_impl(x2: Tensor, w: Tensor, bias: Optional[Tensor], activatio
 def matmul_impl(a: Tensor, b: Tensor, out_dtype: torch.dtype, kernel: str = "auto") -> Tensor:
     """a @ b, a: (M, K), b: (K, N), any strides -> a new (M, N) tensor of out_dtype, on the
     matmul kernel `kernel` names (matmul.KERNELS) where that kernel can run this product, on
-    "auto"'s choice where it cannot. (Decided here, on real tensors: while torch.compile traces
-    the caller, the operands are fake and have no addresses to check.)"""
+    "auto"'s choice, with a warning that says why, where it cannot. (Decided here, on real
+    tensors: while torch.compile traces the caller, the operands are fake and have no addresses
+    to check.)"""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
     if kernel != "auto":
         try:
             _plan_2d(a, b, out, None, None, None, kernel, None)
-        except ValueError:
+        except ValueError as why:
+            warnings.warn(f"kernel={kernel!r} cannot run this {tuple(a.shape)} @ {tuple(b.shape)} product "
+                          f"({why}); running kernel='auto' instead", stacklevel=2)
             kernel = "auto"
     _matmul_2d(a, b, out, kernel=kernel)
     return out
