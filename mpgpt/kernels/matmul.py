@@ -14,7 +14,7 @@
   strided or transposed operands are read in place: the kernels take the strides, so
   `matmul(x, w.t())` reads nn.Linear's weight without a copy.
 
-Three kernels, one file each:
+Four kernels, one file each:
 
 1. grouped.py — the teaching kernel: one program per output tile, tiles in grouped order,
    optional split-K. Runs everywhere: Ampere, Ada, Hopper, and the CPU interpreter.
@@ -33,10 +33,11 @@ runs what `plan` says, so the two cannot disagree. `kernel="auto"` (the default)
 * Triton's CPU interpreter: the grouped kernel;
 * below sm_90 (A100 sm_80, L4 sm_89, T4 sm_75): the grouped kernel;
 * sm_90: the warp-specialised kernel for the forward layout where it can run (ws.ws_eligible)
-  and its tiles fill the GPU's waves about as well as the TMA kernel's (ws.ws_preferred); otherwise the TMA kernel
-  wherever it can read the operands, except a product whose automatic split-K is 4 or more,
-  which stays on the grouped kernel (it can split K, the TMA kernel cannot); otherwise the
-  grouped kernel. Later GPUs (sm_100) take the TMA kernel the same way, never the ws kernel.
+  and its tiles fill the GPU's waves about as well as the TMA kernel's (ws.ws_preferred);
+  otherwise the TMA kernel wherever it can read the operands, except a product whose automatic
+  split-K is 4 or more, which stays on the grouped kernel (it can split K, the TMA kernel
+  cannot); otherwise the grouped kernel. Later GPUs (sm_100) take the TMA kernel the same way,
+  never the ws kernel. `auto` never chooses the stream-K kernel.
 
 `kernel="grouped"`, `"tma"`, `"ws"` or `"streamk"` forces one (to compare them); forcing one
 that cannot run here raises a ValueError that says why (except in the interpreter, which runs
