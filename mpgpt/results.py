@@ -54,6 +54,7 @@ RECORDS = {
     "train-peers-fused-backward-h200": "the fastest steps with the head merge and the one-pass LayerNorm backward, with and without biases, beside llm.c and nanoGPT's bench.py in one run (chapter 7)",
     "train-fp16-last-rung-h200": "the fastest step with biases, and the fp32 model with every Triton pass in bf16 and in fp16 with the package's scaler, one run (chapter 7)",
     "kernels-graph-h200": "kernel='auto' and TritonLinear forward + backward against cuBLAS, timed by do_bench and as replayed CUDA graphs, two runs started separately (chapters 6, 7)",
+    "kernels-grads-h200": "the gradient products on cuBLAS, the TMA, warp-specialised and stream-K kernels, TritonLinear with its gradients on each, GELU's and LayerNorm's backward sweeps, and kernel='auto' (chapters 6, 7)",
     "fp8-h200": "fp8 GEMMs, Fp8Linear against bf16 nn.Linear per layer shape, long-K accumulation (chapter 9)",
     "fp8-training-h200": "GPT-2 small, 2000 steps: bf16 (two seeds) against fp8 in the output layer and in every linear layer (chapter 9)",
     "fp8-cast-h200": "the fused fp8 cast against the eager one, alone and inside one Fp8Linear step (chapter 9)",

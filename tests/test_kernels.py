@@ -820,7 +820,8 @@ def test_plan_on_sm90_takes_the_tma_kernel_where_its_layout_fits(fake_gpu):
     bias = fake_cuda(3072)
     p = plan(x, wt, bias, "gelu")
     assert (p.kernel, p.split_k) == ("tma", 1) and "forward layout" in p.reason, p
-    p = plan(fake_cuda(12288, 3072), fake_cuda(3072, 768))  # dX = dY @ W: B row-major
+    # dX = dY @ W (B row-major) into fp32, which the ws kernel does not write
+    p = plan(fake_cuda(12288, 3072), fake_cuda(3072, 768), out=FakeCuda((12288, 768), dtype=torch.float32))
     assert (p.kernel, p.split_k) == ("tma", 1) and "row-major" in p.reason, p
     p = plan(*_weight_grad(12288, 2304, 768))  # c_attn's dW: auto split-K would be 3
     assert grouped.auto_split_k(2304, 768, 12288, 132) == 3
@@ -902,10 +903,10 @@ def test_plan_on_sm90_takes_the_ws_kernel_where_preferred(fake_gpu):
     assert plan(*_forward(4096, 4096, 4096), kernel="ws").kernel == "ws"  # forced: eligible is enough
     assert plan(x, wt, fake_cuda(768), "relu").kernel == "tma"
     assert plan(x, wt, out=FakeCuda((12288, 768), dtype=torch.float32)).kernel == "tma"
-    # dX = dY @ W reads W row-major: the ws kernel can, but `auto` keeps it on TMA until measured.
+    # dX = dY @ W reads W row-major: the ws kernel takes it too, by the same wave rule.
     dy, w = fake_cuda(12288, 3072), fake_cuda(3072, 768)
     p = plan(dy, w)
-    assert p.kernel == "tma" and "not measured" in p.reason and "ws_preferred" not in p.reason, p
+    assert p.kernel == "ws" and "row-major" in p.reason and "(ws_preferred)" in p.reason, p
     assert plan(dy, w, kernel="ws").kernel == "ws"
     for args, kw in (((x, wt, fake_cuda(768), "gelu"), {}), ((fake_cuda(12288, 768), FakeCuda((768, 764), (764, 1))), {}),
                      ((x, wt), {"out": FakeCuda((12288, 768), dtype=torch.float32)})):

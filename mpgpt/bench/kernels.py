@@ -497,6 +497,15 @@ def bench_gradients(tokens=12288):
                 row[kern] = {"graph_ms": ms_k, "vs_cublas": ms / ms_k, "tflops": flops / ms_k * 1e-9,
                              "rel_err_vs_float64": err, "repeats_bit_for_bit": bool(torch.equal(out, again)),
                              "kernel": p.kernel, "split_k": p.split_k, "plan": p.reason}
+            if product == "dW":  # stream-K at its wider tile as well
+                kern = "streamk_128x256"
+                out = torch.full(ref.shape, float("nan"), device="cuda", dtype=out_dtype)
+                streamk.launch(a, b, out, tile="128x256")
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+                ms_k = _graph_ms(lambda: streamk.launch(a, b, out, tile="128x256"))
+                row[kern] = {"graph_ms": ms_k, "vs_cublas": ms / ms_k, "tflops": flops / ms_k * 1e-9,
+                             "rel_err_vs_float64": err, "kernel": "streamk", "split_k": 1, "plan": "tile 128x256"}
+                kerns = kerns + (kern,)
             if "streamk" in row:
                 row["streamk"]["programs"] = streamk.programs_for(a.device, fout, fin, tokens)
             rows.append(row)

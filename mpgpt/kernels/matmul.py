@@ -205,9 +205,7 @@ def _plan_2d(a, b, c, bias, z, activation, kernel, split_k) -> Plan:
         if ws.ws_eligible(a, b, c, bias, activation, z):
             if kernel == "ws":
                 return Plan("ws", 1, False, f"{what}, kernel='ws' asked")
-            if ws.b_row_major(b):
-                what += ", the ws kernel not taken for a row-major B (not measured there; kernel='ws' runs it)"
-            elif ws.ws_preferred(M, N, env.num_sms(a.device)):
+            if ws.ws_preferred(M, N, env.num_sms(a.device)):
                 return Plan("ws", 1, False, f"{what}, {_epilogue_words(bias, activation)}: 128x192 tiles fill the "
                                             "waves better (ws_preferred)")
             else:

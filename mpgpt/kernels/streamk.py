@@ -48,6 +48,9 @@ from .tma import load_operands, operand_descriptors
 
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 128, 128, 64, 8
 NUM_STAGES, NUM_WARPS = 4, 8
+# Tile shapes a caller may ask for by name (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps): the default,
+# and a wider tile that reads less operand data per multiply-add (the kernel benchmark times both).
+TILES = {"128x128": (BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, NUM_WARPS), "128x256": (128, 256, 64, 3, 8)}
 # The interpreter: small tiles and a stand-in for the multiprocessor count, so that a test's few
 # hundred rows still make several tiles, shared between programs.
 INTERPRET_BLOCK = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16)
@@ -145,15 +148,16 @@ def streamk_fixup_kernel(
 # ----------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------
-def _block() -> dict:
+def _block(tile: str = "128x128") -> dict:
     if env.interpreting():
         return dict(INTERPRET_BLOCK, GROUP_M=GROUP_M)
-    return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M)
+    bm, bn, bk, _, _ = TILES[tile]
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M)
 
 
-def pairs(M: int, N: int, K: int) -> tuple[int, int]:
+def pairs(M: int, N: int, K: int, tile: str = "128x128") -> tuple[int, int]:
     """(output tiles, total (tile, K-step) pairs) of an (M, N, K) product at this machine's tiles."""
-    blk = _block()
+    blk = _block(tile)
     tiles = triton.cdiv(M, blk["BLOCK_M"]) * triton.cdiv(N, blk["BLOCK_N"])
     return tiles, tiles * triton.cdiv(K, blk["BLOCK_K"])
 
@@ -163,11 +167,11 @@ def stretches(total: int, programs: int) -> list[tuple[int, int]]:
     return [(p * total // programs, (p + 1) * total // programs) for p in range(programs)]
 
 
-def programs_for(device: torch.device, M: int, N: int, K: int) -> int:
+def programs_for(device: torch.device, M: int, N: int, K: int, tile: str = "128x128") -> int:
     """The persistent grid: one program per multiprocessor, never more than there are pairs
     (so no stretch is empty)."""
     sms = INTERPRET_PROGRAMS if env.interpreting() else env.num_sms(device)
-    return min(sms, pairs(M, N, K)[1])
+    return min(sms, pairs(M, N, K, tile)[1])
 
 
 def eligible(a: torch.Tensor, b: torch.Tensor) -> str | None:
@@ -188,15 +192,15 @@ def eligible(a: torch.Tensor, b: torch.Tensor) -> str | None:
     return None
 
 
-def launch(a, b, c, programs: int | None = None):
+def launch(a, b, c, programs: int | None = None, tile: str = "128x128"):
     """c = a @ b on the stream-K kernel, then the fixup. a (M, K), b (K, N): the caller checked
     `eligible`; c (M, N) bf16, fp16 or fp32, any strides. programs: the persistent grid (default
-    programs_for; a test passes others to vary the parts). Returns a replay function
+    programs_for; a test passes others to vary the parts); tile: a name in TILES. Returns a replay function
     `(a, b, c, bias, z)` for new tensors of the same signature (launch.py), or None."""
     M, K = a.shape
     N = b.shape[1]
-    tiles, total = pairs(M, N, K)
-    programs = programs_for(a.device, M, N, K) if programs is None else programs
+    tiles, total = pairs(M, N, K, tile)
+    programs = programs_for(a.device, M, N, K, tile) if programs is None else programs
     if not 1 <= programs <= total:
         raise ValueError(f"programs must be between 1 and the product's {total} (tile, K-step) pairs, got {programs}")
     if total * programs >= 2**31:
@@ -210,16 +214,16 @@ def launch(a, b, c, programs: int | None = None):
     else:
         tma.set_allocator()
     (a_t, stride_a), (b_t, stride_b) = tma.operand_layout(a), tma.operand_layout(b)
-    blk = _block()
+    blk = _block(tile)
     parts = torch.empty((2 * programs, blk["BLOCK_M"], blk["BLOCK_N"]), dtype=torch.float32, device=c.device)
     # The interpreter's c in fp32 (it rounds to bf16 by truncation), rounded by torch afterwards.
     out = c if not interpreted or c.dtype == torch.float32 else torch.empty((M, N), dtype=torch.float32)
     args = (a, b, out, parts, M, N, K, stride_a, stride_b, *out.stride())
     kwargs = dict(A_T=a_t, B_T=b_t, NUM_PROGRAMS=programs, **blk)
-    options = {} if interpreted else dict(num_stages=NUM_STAGES, num_warps=NUM_WARPS)
+    options = {} if interpreted else dict(num_stages=TILES[tile][3], num_warps=TILES[tile][4])
     main = streamk_kernel[(programs,)](*args, **kwargs, **options)
     fix_args = (parts, out, M, N, K, *out.stride())
-    fix_kwargs = dict(NUM_PROGRAMS=programs, **blk)
+    fix_kwargs = dict(NUM_PROGRAMS=programs, **blk, **({} if interpreted else dict(num_warps=8)))
     fixup = streamk_fixup_kernel[(tiles,)](*fix_args, **fix_kwargs)
     if out is not c:
         c.copy_(out)
