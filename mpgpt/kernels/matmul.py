@@ -22,7 +22,7 @@ Four kernels, one file each:
    TMA descriptor can address (16-byte aligned, one unit stride each), any of the layouts a
    linear layer's forward and backward products use.
 3. ws.py — sm_90 only, written in Gluon: warp-specialised, 128 x 192 tiles, without
-   activation, for the forward layout a @ w.t() and (when asked) a row-major B, as dX = dY @ W.
+   activation, for the forward layout a @ w.t() and a row-major B, as dX = dY @ W reads W.
 4. streamk.py — sm_90 (and the interpreter): the TMA kernel's loads, with every (tile, K-step)
    pair shared out evenly over a persistent grid, for products whose tiles fill the waves badly
    (a weight gradient: few tiles, a long K). No epilogue; chosen only by `kernel="streamk"`.
@@ -32,8 +32,8 @@ runs what `plan` says, so the two cannot disagree. `kernel="auto"` (the default)
 
 * Triton's CPU interpreter: the grouped kernel;
 * below sm_90 (A100 sm_80, L4 sm_89, T4 sm_75): the grouped kernel;
-* sm_90: the warp-specialised kernel for the forward layout where it can run (ws.ws_eligible)
-  and its tiles fill the GPU's waves about as well as the TMA kernel's (ws.ws_preferred);
+* sm_90: the warp-specialised kernel where it can run (ws.ws_eligible: the forward layout or a
+  row-major B) and its tiles fill the GPU's waves about as well as the TMA kernel's (ws.ws_preferred);
   otherwise the TMA kernel wherever it can read the operands, except a product whose automatic
   split-K is 4 or more, which stays on the grouped kernel (it can split K, the TMA kernel
   cannot); otherwise the grouped kernel. Later GPUs (sm_100) take the TMA kernel the same way,

@@ -34,7 +34,8 @@ with unit column stride, and B either as the forward layout reads it (B = w.t() 
 weight w (N, K): the MMA reads each (N, K) stage transposed) or row-major (K, N), as the input
 gradient dX = dY @ W reads the weight (the MMA reads the (K, N) stage as it is); optional bias,
 no activation, C row-major; every base address and row pitch 16-byte aligned. `kernel="auto"`
-takes it for the forward layout only: the row-major one is not measured yet.
+takes it for either layout where `ws_preferred` says its tiles fill the waves (for dX it measured
+0.96-1.01x of cuBLAS against the TMA kernel's 0.84-0.95x: record kernels-grads-h200).
 `gelu_forward` runs the same kernel with a GELU epilogue (EPILOGUE=1: Z = A w^T + bias and
 gelu(Z), both stored) for the MLP's first product (kernels/mlp.py); `gelu_eligible` says where.
 Everything else goes to the TMA kernel (tma.py) or the grouped kernel (grouped.py); `matmul.plan` decides,
