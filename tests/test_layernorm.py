@@ -277,17 +277,23 @@ def test_an_fp32_model_under_autocast_gets_the_unfused_loss_and_gradients(backwa
 
 def test_dropout_draws_the_same_masks_fused_and_unfused():
     """With dropout on, the regrouped loop calls the branches in the same order, so one seed gives
-    the same masks and the same loss."""
+    the same masks. Bit-equal logits are not promised: the fused LayerNorm sums in another order,
+    which can flip a bf16 rounding and move a logit by a few bf16 units (2^-8 relative; at most
+    0.4 % of the largest logit over 300 seeds). Another mask on a fifth of the activations moves
+    the largest change by tens of percent (at least 36 % over the same seeds), so 3 % tells the
+    two apart with a margin of ten either way."""
     ref, model = small_model(torch.float32, dropout=0.2), small_model(torch.float32, dropout=0.2)
     model.load_state_dict(ref.state_dict())
     model.set_fused_layer_norm(True)
     idx = torch.randint(0, 65, (2, 16), device=DEVICE)
-    losses = []
-    for m in (ref, model):
-        torch.manual_seed(8)
+    logits = []
+    for m, seed in ((ref, 8), (model, 8), (model, 9)):
+        torch.manual_seed(seed)
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            losses.append(m(idx, idx)[1])
-    assert torch.equal(losses[0], losses[1])
+            logits.append(m(idx)[0].float())  # (B, T, V)
+    scale = logits[0].abs().max()
+    assert (logits[1] - logits[0]).abs().max() < 0.03 * scale  # same seed: same masks
+    assert (logits[2] - logits[0]).abs().max() > 0.03 * scale  # the check can tell masks apart
 
 
 def test_activation_checkpointing_takes_the_unfused_blocks():
