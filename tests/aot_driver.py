@@ -18,7 +18,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from mpgpt.kernels import cross_entropy, fp8_matmul, gelu, grouped, heads, layernorm, streamk  # noqa: E402
+from mpgpt.kernels import cross_entropy, fp8_matmul, gelu, grouped, heads, layernorm, partials, streamk  # noqa: E402
 
 POINTERS = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "z_ptr"]
 INTS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
@@ -62,9 +62,13 @@ def compile_column_sums(cc: int, dtype: str, kernel: str) -> dict:
     """The one-pass backward kernels that sum columns beside their main output, at their GPU
     tiles for GPT-2 small (C = 768, 12 heads of 64): GELU's backward with the bias sums, the
     attention's head merge, and LayerNorm's backward (whole rows, and the two-pass kernel behind a
-    barrier)."""
+    barrier), and the last sum of their partial-sum tables, rounded into the parameters' dtype."""
     t, f32 = f"*{dtype}", "*fp32"
-    if kernel == "gelu_backward_bias":
+    if kernel == "sum_partials":
+        warps = 4
+        fn, constexprs = partials._sum_partials_kernel, dict(BLOCK_N=partials._BLOCK_N, BLOCK_R=partials._BLOCK_R)
+        signature = dict(part_ptr=f32, out_ptr=t, N="i32", R="i32")
+    elif kernel == "gelu_backward_bias":
         rows, block_m, block_n, warps = gelu._BIAS_CONFIG
         fn, constexprs = gelu._gelu_backward_bias_kernel, dict(ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n)
         signature = dict(g_ptr=t, z_ptr=t, out_ptr=t, part_ptr=f32, M="i32", N="i32", R="i32")
@@ -111,7 +115,7 @@ def compile_streamk(kernel: str) -> dict:
     return {"shared": compiled.metadata.shared, **instructions(ptx), "tma_loads": ptx.count("cp.async.bulk.tensor")}
 
 
-COLUMN_SUM_KERNELS = ("gelu_backward_bias", "merge_heads", "layer_norm", "layer_norm_two_pass")
+COLUMN_SUM_KERNELS = ("gelu_backward_bias", "merge_heads", "layer_norm", "layer_norm_two_pass", "sum_partials")
 
 
 FP8_POINTERS = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32",

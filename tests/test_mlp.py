@@ -151,6 +151,26 @@ def test_an_fp32_model_outside_autocast_runs_the_unfused_ops_exactly():
     assert torch.equal(mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj), plain)
 
 
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_gelu_backward_operator_passes_torch_opcheck(path, monkeypatch):
+    """torch.library.opcheck on the MLP's backward operator (schema, fake implementation, no
+    aliasing), with the bias gradient in fp32 and in bf16, on both paths; its bf16 bias gradient is
+    the fp32 one rounded once."""
+    if path == "triton" and DEVICE == "cpu":
+        monkeypatch.setattr(mlp, "_triton_backward", lambda t: True)
+    elif path == "torch":
+        monkeypatch.setattr(mlp, "_triton_backward", lambda t: False)
+    elif not mlp._triton_backward(torch.empty(1, device=DEVICE, dtype=torch.bfloat16)):
+        pytest.skip("bf16 Triton kernels need compute capability >= 8.0")
+    h, z = (torch.randn(40, 24, device=DEVICE).bfloat16() for _ in range(2))
+    for with_bias, db_dtype in ((True, torch.float32), (True, torch.bfloat16), (False, torch.float32)):
+        torch.library.opcheck(mlp.gelu_backward_op, (h, z, with_bias, db_dtype))
+    _, db32 = mlp.gelu_backward_impl(h, z, True, torch.float32)
+    dz, db16 = mlp.gelu_backward_impl(h, z, True, torch.bfloat16)
+    assert db16.dtype == torch.bfloat16 and torch.equal(db16, db32.to(torch.bfloat16))
+    assert rel_err(db32, dz.double().sum(0)) < 1e-2  # dz is rounded to bf16; db sums it unrounded
+
+
 def test_the_operator_returns_gelu_and_its_input():
     """gelu_linear (either branch): (gelu(z), z) for z = x @ w.T + b."""
     torch.manual_seed(3)

@@ -229,7 +229,7 @@ def test_gpu_merge_of_sdpa_gradients_at_gpt2_shape():
     assert torch.equal(d_qkv, ref)
     assert rel_err(db, ref.double().sum(0)) < 1e-5
     # ... and the same through the compiled model path's custom operator
-    d_qkv2, db2 = qkv.merge_heads_op(dq, dk, dv, True)
+    d_qkv2, db2 = qkv.merge_heads_op(dq, dk, dv, True, torch.float32)
     assert torch.equal(d_qkv2, d_qkv) and torch.equal(db2, db)
 
 

@@ -12,17 +12,21 @@ The package, one file per idea:
     grouped.py   the teaching kernel: grouped tile order, split-K, the interpreter path
     tma.py       Hopper's persistent TMA kernel
     ws.py        Hopper's warp-specialised Gluon kernel (128 x 192 tiles)
+    streamk.py   Hopper's stream-K kernel: few output tiles with a long K, shared out evenly (weight gradients)
     launch.py    repeating a launch without Triton's Python launch path
     matmul.py    the public matmul, and plan(): which kernel runs, and why
     gelu.py      GELU's backward in one pass
     fp8_matmul.py  chapter 9's fp8 GEMM: scales in the epilogue, fp8 output with its amax
+    fp8_ws.py    chapter 9's promoted fp8 GEMM for Hopper, warp-specialised (Gluon)
     fp8_cast.py  chapter 9's fp8 cast: amax, scale and saturating cast in two launches (Fp8Linear's casts)
     linear.py    TritonLinear; ops.py: its kernels as torch.compile-traceable custom operators
     mlp.py       the transformer's MLP with GELU fused into its first product (the ws kernel's epilogue)
     heads.py     the attention's dq, dk, dv merged into c_attn's gradient, its bias gradient in the same pass
     qkv.py       c_attn and the head split, with heads.py's pass in the backward
     layernorm.py the residual add with its LayerNorm, the backward (with the weight and bias gradients) in one pass
+    partials.py  the last sum of those one-pass kernels' partial-sum tables, rounded into the parameters' dtype
     cross_entropy.py  chapter 7's fused output layer loss: loss and logit gradients in one pass
+    adamw16.py   chapter 10's AdamW with 16-bit weights and state, one fused pass
     (the benchmark against cuBLAS is mpgpt/bench/kernels.py: python -m mpgpt.bench kernels)
 
 Importing this package never fails: without a CUDA GPU it switches Triton to its CPU

@@ -21,7 +21,8 @@ dZ is read by nobody but the two GEMMs after it:
         dZ tile = dY tile * gelu'(Z tile)                stored (rounded once)
         acc += dZ tile                                    (BLOCK_M, BLOCK_N) fp32, element-wise
     part[cols, i] = acc summed over its rows               once, after the loop
-    db = part.sum(1)                                      (N, M / ROWS) fp32 -> (N,): tiny
+    db = sum of part's rows                               (N, M / ROWS) fp32 -> (N,): tiny, one launch
+                                                          rounded into the bias's dtype (partials.py)
 
 Summing over rows inside the loop instead was slower than the two passes it replaces (118
 against 87 us on the H200): the warps then exchange partial sums through shared memory every
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from . import env
+from . import env, partials
 from .env import tl, triton
 from .epilogue import sigmoid_f32  # shared with the matmul's GELU epilogue
 
@@ -107,12 +108,14 @@ _BIAS_CONFIG = (64, 64, 64, 4)
 _INTERPRET_BIAS_CONFIG = (64, 64, 64, 1)
 
 
-def gelu_backward_bias(grad: torch.Tensor, z: torch.Tensor, config=None) -> tuple[torch.Tensor, torch.Tensor]:
+def gelu_backward_bias(grad: torch.Tensor, z: torch.Tensor, config=None,
+                       db_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """(dZ, db): dZ = grad * gelu'(z) as in `gelu_backward`, and db = dZ summed over the rows.
 
     grad and z: the same (M, N) shape, on the same device. dZ: a new contiguous (M, N) tensor in
-    grad's dtype; db: (N,) fp32, the sum of the unrounded fp32 dZ. `config` (ROWS, BLOCK_M,
-    BLOCK_N, num_warps) overrides the tile sizes, for benchmarks."""
+    grad's dtype; db: (N,) in ``db_dtype``, the fp32 sum of the unrounded fp32 dZ rounded once
+    (partials.sum_partials). `config` (ROWS, BLOCK_M, BLOCK_N, num_warps) overrides the tile
+    sizes, for benchmarks."""
     if grad.dim() != 2 or grad.shape != z.shape:
         raise ValueError(f"grad and z must be (M, N) matrices of the same shape, got {tuple(grad.shape)} and "
                          f"{tuple(z.shape)}; reshape to (tokens, features) first")
@@ -132,11 +135,11 @@ def gelu_backward_bias(grad: torch.Tensor, z: torch.Tensor, config=None) -> tupl
     # (N, R): each column's partial sums side by side, so the last sum runs along contiguous memory
     part = torch.empty((N, R), dtype=torch.float32, device=g.device)
     if M == 0 or N == 0:
-        return out.to(g.dtype), torch.zeros(N, dtype=torch.float32, device=g.device)
+        return out.to(g.dtype), torch.zeros(N, dtype=db_dtype, device=g.device)
     grid = (triton.cdiv(N, block_n) * R,)  # program j + i * (column blocks): see the kernel
     _gelu_backward_bias_kernel[grid](g, zc, out, part, M, N, R, ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n,
                                      num_warps=warps)
-    return out.to(g.dtype), part.sum(1)
+    return out.to(g.dtype), partials.sum_partials(part, db_dtype)
 
 
 def gelu_backward(grad: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ time, and keeps an element-wise fp32 sum of what it copied:
             d_qkv[r, s*C + h*hs + d] = tile                row-major (B*T, 3C)
             acc += tile                                    (BLOCK_M, hs) fp32
     part[s*C + h*hs + d, i] = acc summed over rows      once, after the loop
-    db = part.sum(1)                                    (3C, R) fp32 -> (3C,)
+    db = sum of part's rows                             (3C, R) fp32 -> (3C,), in the bias's dtype (partials.py)
 
 One launch covers all three sources. Timed as replayed CUDA graphs at GPT-2's shape on the H200,
 it takes 41.1 us against 49.2 us for Inductor's two kernels; three launches, one per source, took
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from . import env
+from . import env, partials
 from .env import tl, triton
 
 
@@ -83,13 +83,13 @@ _CONFIG = (128, 32, 4)
 _INTERPRET_CONFIG = (64, 64, 1)
 
 
-def merge_heads_bias(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                     config=None) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_heads_bias(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, config=None,
+                     db_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_qkv, db) from the attention's input gradients, as the module docstring says.
 
     dq, dk, dv: (B, nh, T, hs) each, the same shape, dtype and device, any strides. d_qkv: a new
     contiguous (B*T, 3*nh*hs) tensor in their dtype, [dq | dk | dv] with heads side by side in each;
-    db: (3*nh*hs,) fp32, d_qkv's column sums. `config` (ROWS, BLOCK_M, num_warps) overrides the
+    db: (3*nh*hs,) in ``db_dtype``, d_qkv's column sums (fp32, rounded once). `config` (ROWS, BLOCK_M, num_warps) overrides the
     tile sizes, for benchmarks."""
     if dq.dim() != 4 or dk.shape != dq.shape or dv.shape != dq.shape:
         raise ValueError(f"dq, dk and dv must be (B, nh, T, hs) tensors of one shape, got {tuple(dq.shape)}, "
@@ -106,10 +106,10 @@ def merge_heads_bias(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
         raise ValueError(f"config: BLOCK_M={block_m} must be a power of two and ROWS={rows} a multiple of it")
     out = torch.empty((M, 3 * C), dtype=dq.dtype, device=dq.device)
     if M == 0 or C == 0:
-        return out, torch.zeros(3 * C, dtype=torch.float32, device=dq.device)
+        return out, torch.zeros(3 * C, dtype=db_dtype, device=dq.device)
     if dq.dtype == torch.bfloat16 and env.interpreting():
         # The interpreter keeps bf16 as raw 16-bit integers: a copy survives that, a sum does not.
-        d_qkv, db = merge_heads_bias(dq.float(), dk.float(), dv.float(), config)
+        d_qkv, db = merge_heads_bias(dq.float(), dk.float(), dv.float(), config, db_dtype)
         return d_qkv.to(dq.dtype), db
     if not dq.stride() == dk.stride() == dv.stride():  # one launch reads all three with one set of strides
         dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
@@ -117,7 +117,7 @@ def merge_heads_bias(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
     part = torch.empty((3 * C, R), dtype=torch.float32, device=dq.device)  # column-major partial sums
     _merge_heads_sum_kernel[(3 * nh * R,)](dq, dk, dv, out, part, M, T, hs, nh, R, *dq.stride(), ROWS=rows,
                                          BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(hs), num_warps=warps)
-    return out, part.sum(1)
+    return out, partials.sum_partials(part, db_dtype)
 
 
 def merge_heads_reference(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,

@@ -18,8 +18,9 @@ whose many partial sums then take 50 separate reductions a step; benchmarks/NOTE
 `layer_norm_backward` does both in one pass, as `gelu.gelu_backward_bias` does for c_fc: each
 program takes ROWS rows, BLOCK_M at a time, whole rows wide, writes dx' and keeps element-wise
 fp32 sums of dy * xhat and dy; it sums them over its rows once, at the end, into a small table
-that one last sum over contiguous memory finishes (dw's and db's columns side by side: one launch
-for both). Bytes: read dy, x', dx'_res, write dx', once each.
+that one last sum over contiguous memory finishes and rounds into the parameters' dtype
+(`partials.py`; dw's and db's columns side by side: one launch for both). Bytes: read dy, x',
+dx'_res, write dx', once each.
 
 At GPT-2's (12288, 768) on the H200, timed as replayed CUDA graphs: 43.1 us against 52.6 us for
 Inductor's two kernels (record kernels-layer-norm-one-sum-h200; 46.2 us with one last sum for dw
@@ -50,7 +51,7 @@ from torch import Tensor
 
 from mpgpt.fused_loss import first_derivative_only
 
-from . import env
+from . import env, partials
 from .env import tl, triton
 from .linear import _compute_dtype, _op
 
@@ -199,9 +200,11 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weigh
     return dx, dwb[0], dwb[1]
 
 
-def _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres=None, config=None) -> tuple[Tensor, Tensor]:
-    """(dx', dwb) with dwb = stack([dw, db]), a (2, C) fp32 tensor: what the custom operator
-    returns (its outputs may not be views of one tensor, and one sum makes both rows)."""
+def _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres=None, config=None,
+                                dwb_dtype=torch.float32) -> tuple[Tensor, Tensor]:
+    """(dx', dwb) with dwb = stack([dw, db]), a (2, C) tensor in ``dwb_dtype`` (fp32 sums, rounded
+    once): what the custom operator returns (its outputs may not be views of one tensor, and one
+    launch of partials.sum_partials makes both rows)."""
     if x.dim() != 2 or dy.shape != x.shape or (dres is not None and dres.shape != x.shape):
         raise ValueError(f"dy, x and dres must be (M, C) matrices of one shape, got {tuple(dy.shape)}, {tuple(x.shape)}"
                          f" and {None if dres is None else tuple(dres.shape)}; reshape to (tokens, features) first")
@@ -222,13 +225,14 @@ def _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres=None, config=Non
     if env.interpreting() and torch.bfloat16 in (dy.dtype, x.dtype, weight.dtype, getattr(dres, "dtype", None)):
         # The interpreter keeps bf16 as raw 16-bit integers and its arithmetic on them is wrong: widen first.
         dx, dwb = _layer_norm_backward_packed(dy.float(), x.float(), mean, rstd, weight.float(),
-                                              None if dres is None else dres.float(), (rows, block_m, warps, method))
+                                              None if dres is None else dres.float(), (rows, block_m, warps, method),
+                                              dwb_dtype)
         return dx.to(x.dtype), dwb
     dy, x = dy.contiguous(), x.contiguous()
     dres = dres.contiguous() if dres is not None else None
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     if M == 0 or C == 0:
-        return dx, torch.zeros((2, C), device=x.device)
+        return dx, torch.zeros((2, C), dtype=dwb_dtype, device=x.device)
     R = triton.cdiv(M, rows)
     part = torch.empty((2, C, R), dtype=torch.float32, device=x.device)  # each column's partial sums side by side
     chunk = min(_CHUNK, triton.next_power_of_2(C))
@@ -242,7 +246,7 @@ def _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres=None, config=Non
         _layer_norm_backward_kernel[(R,)](*args, M, C, R, HAS_RES=dres is not None, ROWS=rows, BLOCK_M=block_m,
                                           CHUNK=chunk, NCHUNK=triton.next_power_of_2(triton.cdiv(C, chunk)),
                                           num_warps=warps)
-    return dx, part.sum(2)  # (2, C): dw and db, one launch over contiguous rows of R partial sums
+    return dx, partials.sum_partials(part.view(2 * C, R), dwb_dtype).view(2, C)  # dw and db: one launch
 
 
 def layer_norm_backward_reference(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor,
@@ -266,20 +270,21 @@ def _triton_backward(*tensors: Tensor) -> bool:
 
 
 def ln_backward_impl(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor,
-                     dres: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """(dx', stack([dw, db])) on the Triton pass where it runs, else torch's ops."""
+                     dres: Optional[Tensor], dwb_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(dx', stack([dw, db])) on the Triton pass where it runs, else torch's ops; dw and db summed
+    in fp32 and rounded once into ``dwb_dtype`` (the parameters' dtype, so no cast follows)."""
     if _triton_backward(dy, x, weight):
-        return _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres)
+        return _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres, dwb_dtype=dwb_dtype)
     dx, dw, db = layer_norm_backward_reference(dy, x, mean, rstd, weight, dres)
-    return dx, torch.stack([dw, db])
+    return dx, torch.stack([dw, db]).to(dwb_dtype)
 
 
 ln_backward_op = torch.library.custom_op("mpgpt::layer_norm_backward", mutates_args=())(ln_backward_impl)
 
 
 @ln_backward_op.register_fake
-def _(dy, x, mean, rstd, weight, dres):
-    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((2, x.shape[1]), dtype=torch.float32))
+def _(dy, x, mean, rstd, weight, dres, dwb_dtype):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((2, x.shape[1]), dtype=dwb_dtype))
 
 
 class _ResidualLayerNormFunction(torch.autograd.Function):
@@ -312,7 +317,9 @@ class _ResidualLayerNormFunction(torch.autograd.Function):
         d_res, dy = grads if branch_dt is not None else (None, grads[0])
         dy = dy.reshape(x2.shape) if dy is not None else torch.zeros_like(x2)
         d_res = d_res.reshape(x2.shape).to(x2.dtype) if d_res is not None else None
-        dx, dwb = _op(ln_backward_op, ln_backward_impl)(dy, x2, mean, rstd, weight, d_res)  # (M, C), (2, C)
+        # dw and db come in the parameters' dtype when they share one, so no cast kernels follow.
+        dwb_dt = w_dt if b_dt in (None, w_dt) else torch.float32
+        dx, dwb = _op(ln_backward_op, ln_backward_impl)(dy, x2, mean, rstd, weight, d_res, dwb_dt)  # (M, C), (2, C)
         dw, db = dwb
         dx = dx.view(shape)  # the gradient of x' = x + branch, so of both
         return (dx.to(x_dt), dx.to(branch_dt) if branch_dt is not None else None, dw.to(w_dt),

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from mpgpt.fused_loss import first_derivative_only
 
-from . import env, ops, ws
+from . import env, gelu, ops, ws
 from .linear import _compute_dtype, _op
 from .matmul import KERNELS
 
@@ -86,23 +86,25 @@ def _triton_backward(t: Tensor) -> bool:
     return env.runs_compiled(t)
 
 
-def gelu_backward_impl(h: Tensor, z: Tensor, with_bias: bool) -> tuple[Tensor, Tensor]:
-    """(dZ, db): dZ = h * gelu'(z) in h's dtype, h and z (M, N); db = dZ summed over rows, (N,) fp32,
-    or an empty tensor without ``with_bias``. The Triton pass is TritonLinear's (ops.py); without
-    it, the same two results as torch ops."""
-    if _triton_backward(h) and (with_bias or h.numel() < 2**31):  # gelu_backward's offsets are 32-bit
-        return ops.gelu_backward_impl(h, z, with_bias)
+def gelu_backward_impl(h: Tensor, z: Tensor, with_bias: bool, db_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(dZ, db): dZ = h * gelu'(z) in h's dtype, h and z (M, N); db = dZ summed over rows in fp32 and
+    rounded once into ``db_dtype`` (the bias's dtype, so no cast follows), (N,), or an empty tensor
+    without ``with_bias``. The Triton passes are gelu.py's; without them, the same results as torch ops."""
+    if _triton_backward(h) and with_bias:
+        return gelu.gelu_backward_bias(h, z, db_dtype=db_dtype)
+    if _triton_backward(h) and h.numel() < 2**31:  # gelu_backward's offsets are 32-bit
+        return ops.gelu_backward_impl(h, z, False)
     dz = torch.ops.aten.gelu_backward(h, z, approximate="tanh")  # what nn.GELU's backward does
-    return dz, dz.sum(0, dtype=torch.float32) if with_bias else h.new_empty(0, dtype=torch.float32)
+    return dz, dz.sum(0, dtype=torch.float32).to(db_dtype) if with_bias else h.new_empty(0, dtype=db_dtype)
 
 
 gelu_backward_op = torch.library.custom_op("mpgpt::gelu_backward_bias", mutates_args=())(gelu_backward_impl)
 
 
 @gelu_backward_op.register_fake
-def _(h, z, with_bias):
+def _(h, z, with_bias, db_dtype):
     return torch.empty_like(h, memory_format=torch.contiguous_format), h.new_empty(
-        (h.shape[1],) if with_bias else (0,), dtype=torch.float32)
+        (h.shape[1],) if with_bias else (0,), dtype=db_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,7 +147,8 @@ class _GeluMLPFunction(torch.autograd.Function):
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(w_proj_lp.dtype).contiguous()  # dOut: (M, C)
         d_w_proj = _weight_grad(g.t(), y, w_proj_dt, ctx.weight_grad_kernel)          # (C, 4C)
         d_b_proj = g.sum(0, dtype=torch.float32).to(b_proj_dt) if b_proj_dt is not None else None
-        dz, d_b_fc = _op(gelu_backward_op, gelu_backward_impl)(g @ w_proj_lp, z, b_fc_dt is not None)  # (M, 4C), (4C,)
+        db_dt = b_fc_dt if b_fc_dt is not None else torch.float32  # d_b_fc in the bias's dtype: no cast follows
+        dz, d_b_fc = _op(gelu_backward_op, gelu_backward_impl)(g @ w_proj_lp, z, b_fc_dt is not None, db_dt)  # (M, 4C), (4C,)
         d_w_fc = _weight_grad(dz.t(), x2, w_fc_dt, ctx.weight_grad_kernel)                    # (4C, C)
         dx = (dz @ w_fc_lp).to(x_dtype).view(x_shape)                                         # (M, C)
         return dx, d_w_fc, d_b_fc.to(b_fc_dt) if b_fc_dt is not None else None, d_w_proj, d_b_proj, None, None

@@ -36,21 +36,23 @@ def _triton_merge(t: Tensor) -> bool:
     return env.runs_compiled(t)
 
 
-def merge_heads_impl(dq: Tensor, dk: Tensor, dv: Tensor, with_bias: bool) -> tuple[Tensor, Tensor]:
-    """(d_qkv, db): (B*T, 3C) in dq's dtype, and (3C,) fp32 or an empty tensor without ``with_bias``."""
+def merge_heads_impl(dq: Tensor, dk: Tensor, dv: Tensor, with_bias: bool,
+                     db_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(d_qkv, db): (B*T, 3C) in dq's dtype, and (3C,) in ``db_dtype`` (the bias's dtype: summed in
+    fp32, rounded once) or an empty tensor without ``with_bias``."""
     if with_bias and _triton_merge(dq):
-        return heads.merge_heads_bias(dq, dk, dv)
-    return heads.merge_heads_reference(dq, dk, dv, with_bias)
+        return heads.merge_heads_bias(dq, dk, dv, db_dtype=db_dtype)
+    d_qkv, db = heads.merge_heads_reference(dq, dk, dv, with_bias)
+    return d_qkv, db.to(db_dtype)
 
 
 merge_heads_op = torch.library.custom_op("mpgpt::merge_heads_bias", mutates_args=())(merge_heads_impl)
 
 
 @merge_heads_op.register_fake
-def _(dq, dk, dv, with_bias):
+def _(dq, dk, dv, with_bias, db_dtype):
     B, nh, T, hs = dq.shape
-    return dq.new_empty((B * T, 3 * nh * hs)), dq.new_empty((3 * nh * hs,) if with_bias else (0,),
-                                                            dtype=torch.float32)
+    return dq.new_empty((B * T, 3 * nh * hs)), dq.new_empty((3 * nh * hs,) if with_bias else (0,), dtype=db_dtype)
 
 
 def split_heads(qkv: Tensor, n_head: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -79,7 +81,8 @@ class _QKVFunction(torch.autograd.Function):
         x2, w_lp = ctx.saved_tensors
         x_shape, x_dtype, w_dt, b_dt = ctx.meta
         dq, dk, dv = (g.to(w_lp.dtype) for g in (dq, dk, dv))
-        d_qkv, db = _op(merge_heads_op, merge_heads_impl)(dq, dk, dv, b_dt is not None)  # (M, 3C), (3C,)
+        db_dt = b_dt if b_dt is not None else torch.float32  # db comes in the bias's dtype: no cast follows
+        d_qkv, db = _op(merge_heads_op, merge_heads_impl)(dq, dk, dv, b_dt is not None, db_dt)  # (M, 3C), (3C,)
         dw = (d_qkv.t() @ x2).to(w_dt)                                                   # (3C, C)
         dx = (d_qkv @ w_lp).to(x_dtype).view(x_shape)                                    # (M, C)
         return dx, dw, db.to(b_dt) if b_dt is not None else None, None, None

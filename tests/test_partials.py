@@ -1,0 +1,74 @@
+"""Tests for mpgpt/kernels/partials.py: the last sum of a table of partial sums, rounded once.
+
+The reference is each row of the table summed in float64. The kernel sums in fp32: over R terms
+of size about 1 the error stays below R * 2^-24 times the row's sum of magnitudes (1e-5 of it for
+the tables here). Stored in fp16 or bf16 the result carries one more rounding, at most half a unit
+in the last place: 2^-11 or 2^-8 relative. Each bound is far below what a partial sum left out or
+counted twice gives (about 1 / sqrt(R) of the row's sum of magnitudes).
+"""
+
+import pytest
+import torch
+
+from mpgpt.kernels import env, heads, layernorm, partials
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+pytestmark = pytest.mark.skipif(env.TRITON_IMPORT_ERROR is not None, reason=str(env.TRITON_IMPORT_ERROR))
+
+ULP = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float64: 2.0**-23}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", [(1536, 384), (37, 5), (3, 129), (1, 1), (17, 256)])
+def test_each_row_is_summed_and_rounded_once(shape, dtype):
+    """Shapes cover a table as LayerNorm leaves it at GPT-2's size, rows not a multiple of the
+    block, and partial sums on both sides of the loop's step."""
+    part = torch.randn(*shape, device=DEVICE)
+    got = partials.sum_partials(part, dtype)
+    assert got.dtype == dtype and got.shape == (shape[0],)
+    ref = part.double().sum(1)
+    bound = 1e-5 * part.double().abs().sum(1) + ULP[dtype] / 2 * ref.abs()
+    assert ((got.double() - ref).abs() <= bound).all()
+
+
+def test_the_rounding_happens_once_after_the_fp32_sum():
+    """The 16-bit results are the fp32 result rounded: nothing was rounded on the way."""
+    part = torch.randn(300, 200, device=DEVICE)
+    fp32 = partials.sum_partials(part)
+    for dtype in (torch.float16, torch.bfloat16):
+        assert torch.equal(partials.sum_partials(part, dtype), fp32.to(dtype))
+
+
+def test_the_sum_is_the_same_on_every_call():
+    part = torch.randn(1536, 384, device=DEVICE)
+    assert torch.equal(partials.sum_partials(part), partials.sum_partials(part))
+
+
+def test_a_table_with_no_rows_or_no_partial_sums():
+    assert partials.sum_partials(torch.empty(0, 4, device=DEVICE)).shape == (0,)
+    got = partials.sum_partials(torch.empty(5, 0, device=DEVICE), torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, torch.zeros(5, dtype=torch.bfloat16, device=DEVICE))
+
+
+def test_a_table_that_is_not_2d_fp32_is_refused():
+    with pytest.raises(ValueError, match=r"\(N, R\) fp32 table"):
+        partials.sum_partials(torch.randn(4, device=DEVICE))
+    with pytest.raises(ValueError, match=r"\(N, R\) fp32 table"):
+        partials.sum_partials(torch.randn(4, 3, device=DEVICE).half())
+
+
+def test_the_one_pass_kernels_hand_back_their_column_sums_in_the_dtype_asked():
+    """LayerNorm's dw and db, and the head merge's db, in bf16 are their fp32 results rounded once."""
+    M, C = 200, 48
+    x, dy, dres = (torch.randn(M, C, device=DEVICE) for _ in range(3))
+    w = 1 + 0.2 * torch.randn(C, device=DEVICE)
+    var, mean = torch.var_mean(x, dim=1, correction=0)
+    rstd = torch.rsqrt(var + 1e-5)
+    _, dwb32 = layernorm._layer_norm_backward_packed(dy, x, mean, rstd, w, dres)
+    _, dwb16 = layernorm._layer_norm_backward_packed(dy, x, mean, rstd, w, dres, dwb_dtype=torch.bfloat16)
+    assert dwb32.dtype == torch.float32 and torch.equal(dwb16, dwb32.to(torch.bfloat16))
+    dq, dk, dv = (torch.randn(2, 3, 7, 16, device=DEVICE) for _ in range(3))
+    _, db32 = heads.merge_heads_bias(dq, dk, dv)
+    _, db16 = heads.merge_heads_bias(dq, dk, dv, db_dtype=torch.bfloat16)
+    assert torch.equal(db16, db32.to(torch.bfloat16))
