@@ -58,7 +58,7 @@ RECORDS = {
     "kernels-auto-ws-h200": "kernel='auto' with the warp-specialised kernel for dX: every kernel against cuBLAS, TritonLinear against nn.Linear, the gradient products with stream-K at two tiles (chapters 6, 7)",
     "train-ladder-h200": "chapter 7's compiled ladder in one run, rung by rung, and the rows read against their twins (chapter 7)",
     "train-peers-final-h200": "the fastest steps with and without biases and bf16+compile, beside llm.c and nanoGPT's bench.py in one run (chapter 7)",
-    "train-profile-fastest-h200": "a profile of the fastest step with biases: 60 kernels and the timeline's busy and idle time (chapter 7)",
+    "train-profile-fastest-h200": "a profile of the fastest step with biases: a 60-row profiler table and the timeline's busy and idle time (chapter 7)",
     "fp8-h200": "fp8 GEMMs, Fp8Linear against bf16 nn.Linear per layer shape, long-K accumulation (chapter 9)",
     "fp8-training-h200": "GPT-2 small, 2000 steps: bf16 (two seeds) against fp8 in the output layer and in every linear layer (chapter 9)",
     "fp8-cast-h200": "the fused fp8 cast against the eager one, alone and inside one Fp8Linear step (chapter 9)",
