@@ -3,7 +3,7 @@
     python -m mpgpt.bench kernels
     python -m mpgpt.bench kernels --out-dir results --kernels grouped,tma
 
-Three measurements, all bf16 on random inputs (never zeros: they run faster than real data),
+The measurements, all bf16 on random inputs (never zeros: they run faster than real data),
 each the median of `triton.testing.do_bench` (CUDA events; do_bench also clears the L2 cache
 between runs so we do not time the cache):
 
@@ -35,6 +35,10 @@ between runs so we do not time the cache):
    package's kernels writing fp32 (as TritonLinear does for fp32 master weights): `auto`, the
    TMA kernel unsplit, and stream-K (streamk.py). Part 3 also times TritonLinear with dW on
    stream-K, and with dX on the ws kernel too (`grad_kernels` in each row).
+8. The last sums of the one-pass kernels' partial-sum tables, at the tables GPT-2 small's step
+   leaves (LayerNorm's, GELU's and the head merge's), with the result in bf16 as a bf16 model
+   keeps its parameters: torch's sum followed by the casts, against `partials.sum_partials`, as
+   replayed CUDA graphs (so the gaps between launches count, as in a step recorded whole).
 
 Prints a table and writes kernels_<gpu>_<date>.json into --out-dir (default: the current folder)
 with the GPU, driver, CUDA, torch and triton versions, the date, the command and the commit
@@ -52,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpgpt.kernels import env as kenv
-from mpgpt.kernels import gelu, grouped, heads, layernorm, linear, streamk, tma, ws
+from mpgpt.kernels import gelu, grouped, heads, layernorm, linear, partials, streamk, tma, ws
 from mpgpt.kernels.linear import TritonLinear, gelu_tanh_grad
 from mpgpt.kernels.matmul import matmul, plan
 from mpgpt.results import environment as base_environment
@@ -330,6 +334,40 @@ def bench_merge_heads(B=12, T=1024, n_head=12, hs=64):
     return res
 
 
+def partial_tables(M=12288, C=768) -> dict:
+    """The partial-sum tables (N, R) that GPT-2 small's one-pass backward kernels leave at their
+    GPU tiles, and how many rows of each one parameter's gradient takes (LayerNorm's table holds
+    dw's and db's)."""
+    return {"layer_norm": ((2 * C, -(-M // layernorm._CONFIG[0])), 2),
+            "gelu": ((4 * C, -(-M // gelu._BIAS_CONFIG[0])), 1),
+            "merge_heads": ((3 * C, -(-M // heads._CONFIG[0])), 1)}
+
+
+def bench_partials(dtype=torch.bfloat16):
+    """Part 8: torch's `part.sum(1)` and then one cast per parameter, against one launch of
+    sum_partials, for each table; both replayed from a CUDA graph."""
+    res = {}
+    for name, ((N, R), params) in partial_tables().items():
+        part = torch.randn(N, R, device="cuda")
+
+        def torch_sum_then_cast():
+            s = part.sum(1)
+            return [t.to(dtype) for t in s.chunk(params)]  # the casts the callers made, one per parameter
+
+        ref = part.double().sum(1)
+        got = partials.sum_partials(part, dtype)
+        row = {"N": N, "R": R, "params": params,
+               "torch_ms": _graph_ms(torch_sum_then_cast),
+               "sum_partials_ms": _graph_ms(lambda: partials.sum_partials(part, dtype)),
+               "rel_err": ((got.double() - ref).norm() / ref.norm()).item(),
+               "rel_err_torch": ((torch.cat(torch_sum_then_cast()).double() - ref).norm() / ref.norm()).item()}
+        res[name] = row
+        print(f"last sum of {name}'s table ({N} x {R}) into {str(dtype).split('.')[-1]}, graph replay: torch's sum "
+              f"and {params} cast(s) {row['torch_ms']*1e3:.2f} us, sum_partials {row['sum_partials_ms']*1e3:.2f} us "
+              f"(rel err {row['rel_err']:.1e}, torch's {row['rel_err_torch']:.1e})", flush=True)
+    return res
+
+
 # Tile configurations (ROWS, BLOCK_M, num_warps) of layer_norm_backward timed beside its default.
 # (48, 4, 4) is one wave of 256 programs at GPT-2's 12288 rows on 132 multiprocessors (two fit on
 # each): 46.1 against 43.1 us for (32, 4, 4)'s wave and a half (record kernels-layer-norm-h200).
@@ -527,7 +565,8 @@ def main(argv=None) -> int:
                         help="appended to the file name, so two runs on one day both stay")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: matmul, fused, triton (TritonLinear fwd+bwd), gelu (GELU's backward), "
                         "merge (the attention gradients' head merge), layer (LayerNorm's backward), "
-                        "grads (the gradient products on cuBLAS and each kernel; sm_90)")
+                        "grads (the gradient products on cuBLAS and each kernel; sm_90), partials (the last "
+                        "sums of the one-pass kernels' tables)")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -557,7 +596,8 @@ def main(argv=None) -> int:
              ("triton_linear_fwd_bwd", bench_linear),
              ("gelu_backward", bench_gelu_backward),
              ("merge_heads", bench_merge_heads),
-             ("layer_norm_backward", bench_layer_norm_backward)]
+             ("layer_norm_backward", bench_layer_norm_backward),
+             ("partials", bench_partials)]
     if cc == (9, 0):  # the stream-K kernel, and the ws kernel it is compared with, are Hopper's
         parts.append(("grads", bench_gradients))
     for name, run in parts:
