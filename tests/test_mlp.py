@@ -282,14 +282,18 @@ def test_gpu_gelu_epilogue_writes_z_and_gelu_z(use_bias):
             ref_y = F.gelu(ref_z, approximate="tanh")
             assert rel_err(z, ref_z) < 1e-2, (M, K, N)
             assert rel_err(y, ref_y) < 1e-2, (M, K, N)
-            # Element by element, from fp32 z: bf16's rounding of y (2^-8 relative), tanh.approx's
-            # error (about 2^-11 of |t| <= 1 by the PTX manual, so about 2^-12 |z| in y, ws._tanh;
-            # allowed twice that) and fp32 accumulation over K terms (at most K 2^-24 sum|a w| in
-            # any order; gelu' <= 1.13 carries it into y). A kernel that rounded z to bf16 before
-            # GELU (error up to 2^-8 |z| gelu'(z)) can exceed it wherever gelu'(z) - gelu(z)/z > 1/8,
-            # about 0.4 < z < 1.9, where many of these elements lie.
+            # z element by element: fp32 accumulation over K terms (at most K 2^-24 sum|a w| in any
+            # order) and one bf16 rounding (2^-8 relative).
             acc = K * 2**-24 * (a.double().abs() @ w.double().abs().t())
-            bound = 2**-8 * ref_y.abs() + 2**-11 * ref_z.abs() + 1.13 * acc
+            assert ((z.double() - ref_z).abs() <= 2**-8 * ref_z.abs() + acc).all(), (M, K, N)
+            # y is GELU of z as stored, the z that GELU's backward reads (and what the unfused model
+            # computes under autocast: F.gelu of the bf16 product). Element by element: bf16's
+            # rounding of y (2^-8 relative) and tanh.approx's error (about 2^-11 of |t| <= 1 by the
+            # PTX manual, so about 2^-12 |z| in y, ws._tanh; allowed twice that). GELU of the
+            # unrounded fp32 z, rounded once, can land on the other bf16 neighbour: simulated with
+            # torch on 2M values of N(0, 1.5^2), 3.6 % of them broke this bound, none of gelu(bf16 z).
+            ref_y = F.gelu(z.double(), approximate="tanh")
+            bound = 2**-8 * ref_y.abs() + 2**-11 * z.double().abs()
             assert ((y.double() - ref_y).abs() <= bound).all(), (M, K, N)
 
 

@@ -38,6 +38,11 @@ takes it for either layout where `ws_preferred` says its tiles fill the waves (f
 0.96-1.01x of cuBLAS against the TMA kernel's 0.84-0.95x: record kernels-grads-h200).
 `gelu_forward` runs the same kernel with a GELU epilogue (EPILOGUE=1: Z = A w^T + bias and
 gelu(Z), both stored) for the MLP's first product (kernels/mlp.py); `gelu_eligible` says where.
+There a third partition does the epilogue: the MMA warps round Z into the staging buffers and go
+on to the next tile, while four more warps store Z, evaluate GELU from it in place, store that,
+and hand the buffers back (two mbarriers, z_ready and z_empty). When the MMA warps evaluated GELU
+themselves, the tensor cores waited for it: 119.3 us a launch in the step's profile against
+95.9 us for the product alone (benchmarks/NOTES-train.md).
 Everything else goes to the TMA kernel (tma.py) or the grouped kernel (grouped.py); `matmul.plan` decides,
 using `ws_eligible` and `ws_preferred`. Gluon kernels run only compiled (there is no interpreter
 for them); where Gluon is missing, WS_IMPORT_ERROR says why and nothing here is used.
@@ -63,6 +68,8 @@ else:
     # async_copy_shared_to_global -> async_store; same arguments) and made the old names raise.
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    # A barrier among the warps of one partition: gl.barrier since Triton 3.7, gl.thread_barrier before.
+    _sync_partition = getattr(gl, "barrier", None) or gl.thread_barrier
 
 # The one configuration (on the H200, 4 stages beat 3 at each of the three shapes timed both ways).
 BLOCK_M, BLOCK_N, EXTRA_N, BLOCK_K, STAGES, GROUP_M, NUM_WARPS = 128, 128, 64, 64, 4, 8, 8
@@ -141,7 +148,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         return hz + hz * t
 
     @gluon.jit
-    def _mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem,
+    def _mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem, c2_smem,
                        bias_ptr, M, N, K,
                        HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr, B_ROW_MAJOR: gl.constexpr, GROUP_M: gl.constexpr,
                        STAGES: gl.constexpr, num_warps: gl.constexpr):
@@ -162,6 +169,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout)     # (BLOCK_M, BLOCK_N)
         acc2 = gl.zeros((BLOCK_M, EXTRA_N), gl.float32, layout2)   # (BLOCK_M, EXTRA_N): the next columns
         c = 0  # steps consumed so far
+        t = 0  # tiles handed to the GELU partition so far (EPILOGUE == 1)
         for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
             off_m, off_n = tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N + EXTRA_N)
             if HAS_BIAS:  # loaded now, so that its latency hides behind the MMAs
@@ -192,23 +200,60 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             if HAS_BIAS:
                 y, y2 = acc + bias, acc2 + bias2
             if EPILOGUE == 1:
-                # Z = acc + bias goes out first, through the same staging buffers (the ring leaves
-                # no room for a second pair); GELU is computed while those stores are in flight.
+                # Z, rounded once, goes to the GELU partition through c_smem / c2_smem; these warps
+                # go on to the next tile's MMAs while that partition stores Z and gelu(Z).
+                mbarrier.wait(z_empty, (t & 1) ^ 1)  # the partition is done with the last tile
+                c_smem.store(y.to(c_desc.dtype))
+                c2_smem.store(y2.to(c2_desc.dtype))
+                fence_async_shared()  # the stores above, visible to the TMA unit
+                _sync_partition()     # every warp has stored its rows before one thread arrives
+                mbarrier.arrive(z_ready)
+                t += 1
+            else:
+                # The previous tile's TMA stores must have read c_smem / c2_smem before we overwrite them.
                 tma.store_wait(pendings=0)
-                c_smem.store(y.to(z_desc.dtype))
-                c2_smem.store(y2.to(z2_desc.dtype))
-                fence_async_shared()
-                tma_store(z_desc, [off_m, off_n], c_smem)
-                tma_store(z2_desc, [off_m, off_n + BLOCK_N], c2_smem)
-                y, y2 = _gelu(y), _gelu(y2)
-            # The previous tile's TMA stores must have read c_smem / c2_smem before we overwrite them.
-            tma.store_wait(pendings=0)
-            c_smem.store(y.to(c_desc.dtype))  # one rounding
-            c2_smem.store(y2.to(c2_desc.dtype))
-            fence_async_shared()  # the stores above, visible to the TMA unit
+                c_smem.store(y.to(c_desc.dtype))  # one rounding
+                c2_smem.store(y2.to(c2_desc.dtype))
+                fence_async_shared()  # the stores above, visible to the TMA unit
+                tma_store(c_desc, [off_m, off_n], c_smem)
+                tma_store(c2_desc, [off_m, off_n + BLOCK_N], c2_smem)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _gelu_partition(c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, M, N,
+                        GROUP_M: gl.constexpr):
+        """EPILOGUE == 1, four warps: for each tile the MMA warps hand over (Z in c_smem / c2_smem),
+        store Z, then gelu(Z) in place of it, and hand the buffers back. It runs beside the next
+        tile's MMAs, so GELU's arithmetic costs no tensor-core time."""
+        BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+        EXTRA_N: gl.constexpr = c2_desc.block_type.shape[1]
+        # Row chunks of ROWS x BLOCK_N (and ROWS x EXTRA_N): 32 and 16 values a thread.
+        ROWS: gl.constexpr = 32
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])   # 8 rows x 128 columns
+        layout2: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # 16 rows x 64 columns
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N + EXTRA_N)
+        t = 0
+        for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+            off_m, off_n = tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N + EXTRA_N)
+            mbarrier.wait(z_ready, t & 1)
+            tma_store(z_desc, [off_m, off_n], c_smem)
+            tma_store(z2_desc, [off_m, off_n + BLOCK_N], c2_smem)
+            tma.store_wait(pendings=0)  # the thread that issued the stores: Z has been read out of the buffers
+            _sync_partition()           # ... and every warp knows it before overwriting them
+            for r in gl.static_range(BLOCK_M // ROWS):
+                part = c_smem.slice(r * ROWS, ROWS)
+                part.store(_gelu(part.load(layout).to(gl.float32)).to(c_desc.dtype))
+                part2 = c2_smem.slice(r * ROWS, ROWS)
+                part2.store(_gelu(part2.load(layout2).to(gl.float32)).to(c2_desc.dtype))
+            fence_async_shared()
+            _sync_partition()  # all four warps' rows are in place before the stores read them
             tma_store(c_desc, [off_m, off_n], c_smem)
             tma_store(c2_desc, [off_m, off_n + BLOCK_N], c2_smem)
-        tma.store_wait(pendings=0)
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(z_empty)  # the buffers are free for the next tile's Z
+            t += 1
 
     @gluon.jit
     def matmul_ws_kernel(
@@ -236,17 +281,34 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         c2_smem = gl.allocate_shared_memory(dtype, c2_desc.block_type.shape, c2_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        z_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # Z handed over
+        z_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # ... and handed back
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(z_ready, count=1)
+        mbarrier.init(z_empty, count=1)
         fence_async_shared()  # the initialised barriers, visible to the TMA unit
-        gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, z_desc, z2_desc, c_smem,
-                              c2_smem, bias_ptr, M, N, K, HAS_BIAS, EPILOGUE, B_ROW_MAJOR,
-                              GROUP_M, STAGES, num_warps)),
-            (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, B_ROW_MAJOR,
-                         GROUP_M, STAGES)),
-        ], [1], [40])  # the producer: 1 warp, 40 registers a thread (the MMA warps get the rest)
+        # The producer: 1 warp, 40 registers a thread; for EPILOGUE == 1 the GELU partition: 4 warps,
+        # 96 registers a thread; the MMA warps get the rest.
+        if EPILOGUE == 1:
+            gl.warp_specialize([
+                (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem,
+                                  c2_smem, bias_ptr, M, N, K, HAS_BIAS, EPILOGUE, B_ROW_MAJOR, GROUP_M, STAGES,
+                                  num_warps)),
+                (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, B_ROW_MAJOR,
+                             GROUP_M, STAGES)),
+                (_gelu_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, M, N,
+                                   GROUP_M)),
+            ], [1, 4], [40, 96])
+        else:
+            gl.warp_specialize([
+                (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem,
+                                  c2_smem, bias_ptr, M, N, K, HAS_BIAS, EPILOGUE, B_ROW_MAJOR, GROUP_M, STAGES,
+                                  num_warps)),
+                (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, B_ROW_MAJOR,
+                             GROUP_M, STAGES)),
+            ], [1], [40])
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -413,8 +475,9 @@ def gelu_eligible(a: torch.Tensor, w: torch.Tensor) -> bool:
 
 def gelu_forward(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None):
     """(y, z) with z = a @ w.T + bias and y = gelu(z) (tanh approximation), both in a's dtype,
-    from one launch: the epilogue writes z (GELU's backward needs it) and then y, computed from
-    z in fp32 before rounding. a: (M, K), w: (N, K) -> y, z: (M, N). The caller checked
+    from one launch: the epilogue writes z (GELU's backward needs it) and then y = gelu(z) of z as
+    stored, in fp32 from its 16-bit value (what the unfused model computes under autocast, and
+    the z the backward reads). a: (M, K), w: (N, K) -> y, z: (M, N). The caller checked
     gelu_eligible(a, w). Repeated calls with one signature take the lean launch path."""
     if w.shape[1] != a.shape[1]:
         raise ValueError(f"a is {tuple(a.shape)} but w is {tuple(w.shape)}: w must be (N, {a.shape[1]})")
