@@ -74,18 +74,21 @@ def compile_column_sums(cc: int, dtype: str, kernel: str) -> dict:
         signature = dict(g_ptr=t, z_ptr=t, out_ptr=t, part_ptr=f32, M="i32", N="i32", R="i32")
     elif kernel == "merge_heads":
         rows, block_m, warps = heads._CONFIG
-        fn, constexprs = heads._merge_heads_sum_kernel, dict(ROWS=rows, BLOCK_M=block_m, BLOCK_D=64)
+        fn, constexprs = heads._merge_heads_sum_kernel, dict(HS=64, NH=12, ROWS=rows, BLOCK_M=block_m, BLOCK_D=64)
         signature = dict(q_ptr=t, k_ptr=t, v_ptr=t, out_ptr=t, part_ptr=f32,
-                         **{n: "i32" for n in ("M", "T", "HS", "NH", "R", "s_b", "s_h", "s_t", "s_d")})
+                         **{n: "i32" for n in ("M", "T", "R", "s_b", "s_h", "s_t", "s_d")})
     else:
         two_pass = kernel == "layer_norm_two_pass"
         rows, block_m, warps = (16, 4, 4) if two_pass else layernorm._CONFIG
         fn = layernorm._layer_norm_backward_two_pass_kernel if two_pass else layernorm._layer_norm_backward_kernel
         constexprs = dict(HAS_RES=True, ROWS=rows, BLOCK_M=block_m, CHUNK=layernorm._CHUNK)
-        if not two_pass:
-            constexprs["NCHUNK"] = 4  # C = 768 in chunks of 256, padded to a power of two
         signature = dict(dy_ptr=t, x_ptr=t, mean_ptr=f32, rstd_ptr=f32, w_ptr=f32, res_ptr=t, dx_ptr=t,
-                         part_ptr=f32, **(dict(stat_ptr=f32) if two_pass else {}), M="i32", C="i32", R="i32")
+                         part_ptr=f32, **(dict(stat_ptr=f32) if two_pass else {}), M="i32")
+        if two_pass:
+            signature |= dict(C="i32", R="i32")
+        else:
+            signature["R"] = "i32"
+            constexprs |= dict(C=768, NCHUNK=4)  # C = 768 in chunks of 256, padded to a power of two
     signature |= {name: "constexpr" for name in constexprs}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=warps))
