@@ -18,7 +18,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from mpgpt.kernels import cross_entropy, fp8_matmul, gelu, grouped, heads, layernorm, partials, streamk  # noqa: E402
+from mpgpt.kernels import adamw16, cross_entropy, fp8_matmul, gelu, grouped, heads, layernorm, partials, streamk  # noqa: E402
 
 POINTERS = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "z_ptr"]
 INTS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
@@ -96,6 +96,25 @@ def compile_column_sums(cc: int, dtype: str, kernel: str) -> dict:
     # Triton), before the compiler adds its own for reductions through shared memory.
     return {"shared": compiled.metadata.shared,
             "barriers": sum("barrier" in line for line in compiled.asm["ttir"].splitlines())}
+
+
+def compile_adamw16_many(cc: int, aligned: bool) -> dict:
+    """The one-launch 16-bit AdamW (bf16-mantissa storage, bf16 gradients), with and without the
+    alignment it may promise: which global loads and stores its PTX uses (16-byte vectors, the
+    single-tensor kernel's, when every tensor is aligned)."""
+    signature = dict(meta_ptr="*i64", block_ptr="*i32", S="i32", m_ptr="*fp32", v_ptr="*fp32", x_ptr="*i16",
+                     coef_ptr="*fp32", div_ptr="*fp32", key="i64")
+    constexprs = dict(WEIGHTS=adamw16.WEIGHT_CODES["mantissa"], MOMENTS=0, GRAD_BF16=True, BLOCK=1024, ALIGNED=aligned)
+    names = list(signature)
+    # the launcher's specialisation of 16-byte aligned pointer arguments
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
+    signature |= {name: "constexpr" for name in constexprs}
+    source = triton.compiler.ASTSource(fn=adamw16._adamw16_many_kernel, signature=signature, constexprs=constexprs,
+                                       attrs=attrs)
+    ptx = triton.compile(source, target=GPUTarget("cuda", cc, 32),
+                         options=dict(num_warps=4, enable_fp_fusion=False)).asm["ptx"]
+    return {"vector_loads": ptx.count("ld.global.v4"), "vector_stores": ptx.count("st.global.v4"),
+            "scalar_16bit": ptx.count("ld.global.b16") + ptx.count("st.global.b16")}
 
 
 def compile_streamk(kernel: str) -> dict:
@@ -235,6 +254,11 @@ def main(targets) -> dict:
                                **attempt(compile_gluon, "ws", 1)})
         out["results"].append({"cc": 90, "kernel": "ws_row_major_b", "dtype": "bf16", "config": "fixed",
                                **attempt(compile_gluon, "ws", 0, True)})
+    # The one-launch 16-bit AdamW, on a T4 and on Hopper.
+    for cc in (75, 90):
+        for aligned in (True, False):
+            out["results"].append({"cc": cc, "kernel": "adamw16_many" + ("_aligned" if aligned else ""),
+                                   "dtype": "bf16", "config": "-", **attempt(compile_adamw16_many, cc, aligned)})
     # The stream-K weight-gradient kernel and its fixup (Hopper).
     for name in ("streamk", "streamk_fixup"):
         out["results"].append({"cc": 90, "kernel": name, "dtype": "bf16", "config": "gpu default",

@@ -76,6 +76,19 @@ def test_the_one_pass_backward_kernels_compile(compiled, cc, dtype, kernel):
     assert (record["barriers"] > 0) == (kernel == "layer_norm_two_pass"), record
 
 
+@pytest.mark.parametrize("cc", [75, 90])
+def test_the_one_launch_adamw16_compiles_and_vectorises_when_aligned(compiled, cc):
+    """The optimizer's one-launch kernel reads each parameter through an address loaded from a
+    table, which tells the compiler nothing of its alignment. Promised alignment (every address,
+    count and state index a multiple of 16) must bring back the 16-byte vector accesses the
+    per-tensor kernel gets from Triton's launcher; without the promise, 2-byte accesses remain."""
+    aligned, ragged = compiled[cc, "adamw16_many_aligned", "bf16"], compiled[cc, "adamw16_many", "bf16"]
+    assert aligned["ok"], aligned.get("error")
+    assert ragged["ok"], ragged.get("error")
+    assert aligned["vector_loads"] > 0 and aligned["vector_stores"] > 0 and aligned["scalar_16bit"] == 0, aligned
+    assert ragged["vector_loads"] == 0 and ragged["scalar_16bit"] > 0, ragged
+
+
 @pytest.mark.parametrize("cc,kernel", [(89, "fp8_matmul"), (90, "fp8_matmul_tma")])
 def test_the_fp8_gemms_compile_for_fp8_tensor_cores(compiled, cc, kernel):
     """fp8 output, rowwise scales and promotion: the epilogue both kernels share, compiled for the L4

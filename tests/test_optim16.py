@@ -458,38 +458,47 @@ def test_without_triton_the_kernel_says_why_and_the_rest_works():
     assert done.returncode == 0, done.stderr
 
 
+# Sizes across block edges (2.3 blocks of 1024, odd ones below a block), then sizes that are all
+# multiples of 16 elements, which the kernel reads as 16-byte vectors (its ALIGNED path).
+SHAPES = {"ragged": [(33, 71), (50,), (4, 3, 5), (1024,)], "aligned": [(48, 80), (16,), (2, 8, 3), (1024,)]}
+
+
+@pytest.mark.parametrize("shapes", ["ragged", "aligned"])
 @pytest.mark.parametrize("variant", ["all-bf16-sr", "bf16-mantissa", "fp32-master"])
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_the_fused_optimizer_equals_adamw16_bit_for_bit(variant, device):
-    """FusedAdamW16 launches the kernel once per large parameter at its flat offset and once for a
-    run of small ones: over a few steps, one of them clipped, its weights and state are AdamW16's,
-    bit for bit (interpreter on the CPU; the GPU kernel is built without FMA contraction, so it
-    too rounds exactly as the reference)."""
+def test_the_fused_optimizer_equals_adamw16_bit_for_bit(variant, device, shapes, monkeypatch):
+    """FusedAdamW16 updates a group's parameters in one launch, each block finding its parameter
+    in a table of addresses: over a few steps, one of them clipped and one with a parameter that
+    has no gradient, its weights and state are AdamW16's, bit for bit (interpreter on the CPU; the
+    GPU kernel is built without FMA contraction, so it too rounds exactly as the reference)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no GPU")
     if device == "cpu" and not kenv.interpreting():
         pytest.skip("CPU tensors run the kernel in Triton's interpreter, which is off where a GPU is")
     _kernel()
+    from mpgpt.kernels import adamw16
     from mpgpt.kernels.adamw16 import FusedAdamW16
 
-    torch.manual_seed(3)
-    shapes = [(33, 7), (50,), (4, 3, 5)]
-    start = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+    launches = []
+    many = adamw16.adamw16_many
+    monkeypatch.setattr(adamw16, "adamw16_many", lambda tables, *a: (launches.append(tables.count), many(tables, *a)))
+    start = [torch.randn(s).to(torch.bfloat16) for s in SHAPES[shapes]]
     ref = [torch.nn.Parameter(t.clone()) for t in start]
     fused = [torch.nn.Parameter(t.clone().to(device)) for t in start]
     opt_ref = AdamW16(ref, lr=1e-2, weight_decay=0.1, variant=variant, seed=4)
-    # below 100 elements a parameter is batched: (33, 7) has its own launch, the other two share one
-    opt_fused = FusedAdamW16(fused, lr=1e-2, weight_decay=0.1, variant=variant, seed=4, batch_below=100)
-    assert [type(s).__name__ for s in opt_fused.segments[0]] == ["Parameter", "_Run"]
-    for i in range(3):
-        for r, f in zip(ref, fused):
-            r.grad = torch.randn(r.shape).to(torch.bfloat16)
-            f.grad = r.grad.to(device)
+    opt_fused = FusedAdamW16(fused, lr=1e-2, weight_decay=0.1, variant=variant, seed=4)
+    for i in range(4):
+        for j, (r, f) in enumerate(zip(ref, fused)):
+            skip = i == 2 and j == 1  # one step where a parameter has no gradient
+            r.grad = None if skip else torch.randn(r.shape).to(torch.bfloat16)
+            f.grad = None if skip else r.grad.to(device)
         # the clipping divisor on one step (an exact power of two would hide a wrong reciprocal)
         opt_ref.grad_scale = torch.tensor([1.7]) if i == 1 else None
         opt_fused.grad_scale = torch.tensor([1.7], device=device) if i == 1 else None
         opt_ref.step()
         opt_fused.step()
+    assert launches == [4, 4, 3, 4]  # one launch a step, over the parameters with gradients
+    assert opt_fused.tables[0].aligned == (shapes == "aligned")
     for r, f in zip(ref, fused):
         assert _same(r.detach(), f.detach().cpu())
         for name, t in opt_ref.state[r].items():
@@ -497,6 +506,35 @@ def test_the_fused_optimizer_equals_adamw16_bit_for_bit(variant, device):
                 assert _same(t, opt_fused.state[f][name].cpu()), name
     with pytest.raises(TypeError, match="bf16 parameters"):
         FusedAdamW16([torch.nn.Parameter(torch.randn(4))], variant=variant)
+
+
+def test_the_fused_optimizer_with_mixed_gradient_dtypes_updates_each_parameter_alone(monkeypatch):
+    """One launch needs one gradient dtype: with a bf16 and an fp32 gradient in one group the
+    optimizer launches once per parameter, and still matches AdamW16 bit for bit."""
+    if not kenv.interpreting():
+        pytest.skip("CPU tensors run the kernel in Triton's interpreter, which is off where a GPU is")
+    _kernel()
+    from mpgpt.kernels import adamw16
+    from mpgpt.kernels.adamw16 import FusedAdamW16
+
+    many, single = [], []
+    monkeypatch.setattr(adamw16, "adamw16_many", lambda *a: many.append(a))
+    fused_one = adamw16.adamw16_fused
+    monkeypatch.setattr(adamw16, "adamw16_fused", lambda *a, **k: (single.append(a), fused_one(*a, **k)))
+    start = [torch.randn(s).to(torch.bfloat16) for s in ((40, 3), (70,))]
+    ref = [torch.nn.Parameter(t.clone()) for t in start]
+    fused = [torch.nn.Parameter(t.clone()) for t in start]
+    opt_ref = AdamW16(ref, lr=1e-2, weight_decay=0.1, variant="bf16-mantissa", seed=1)
+    opt_fused = FusedAdamW16(fused, lr=1e-2, weight_decay=0.1, variant="bf16-mantissa", seed=1)
+    for r, f, dtype in zip(ref, fused, (torch.bfloat16, torch.float32)):
+        r.grad_dtype = f.grad_dtype = None  # newer torch refuses a gradient of another dtype without this
+        r.grad = torch.randn(r.shape).to(dtype)
+        f.grad = r.grad.clone()
+    opt_ref.step()
+    opt_fused.step()
+    assert not many and len(single) == 2
+    for r, f in zip(ref, fused):
+        assert _same(r.detach(), f.detach())
 
 
 def test_the_fused_kernel_refuses_what_its_32_bit_indices_cannot_reach():

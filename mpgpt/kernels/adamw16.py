@@ -3,6 +3,9 @@
     from mpgpt.kernels.adamw16 import adamw16_fused
     adamw16_fused(w, g, state, "bf16-sr", c, key64)   # w, g flat; state from mpgpt.optim16.new_state
 
+`FusedAdamW16`, the optimizer, updates all of a group's parameters in one launch
+(`adamw16_many`): each block of elements finds its parameter in a small table of addresses.
+
 One program reads a block of weights, gradients, both moments and the variant's extra buffer,
 does the whole AdamW update in fp32 registers, rounds the results into their storage and writes
 them back: every byte of state crosses memory once per step, which is all an optimizer step
@@ -28,7 +31,7 @@ from mpgpt.optim16 import VARIANTS, AdamW16, Coefficients
 from . import env as kenv
 from .env import tl, triton
 
-__all__ = ["adamw16_fused", "FusedAdamW16", "WEIGHT_CODES", "MOMENT_CODES"]
+__all__ = ["adamw16_fused", "adamw16_many", "FusedAdamW16", "WEIGHT_CODES", "MOMENT_CODES"]
 
 WEIGHT_CODES = {"fp32-master": 0, "nearest": 1, "stochastic": 2, "kahan": 3, "mantissa": 4}
 MOMENT_CODES = {"fp32": 0, "nearest": 1, "stochastic": 2}
@@ -56,25 +59,17 @@ def _round_stochastic(x, r16):
 
 
 @triton.jit
-def _adamw16_kernel(
-    w_ptr,          # (n,) int16: the bf16 weights' bits, updated in place
-    g_ptr,          # (n,) gradients: int16 bits of bf16 if GRAD_BF16, else fp32
-    m_ptr, v_ptr,   # (n,) moments: fp32, or int16 bits of bf16 if MOMENTS > 0
-    x_ptr,          # (n,) extra buffer: fp32 master / int16 compensation bits / int16 remainder
-    coef_ptr,       # (8,) fp32 on the device: the step's Coefficients, in their field order
-    div_ptr,        # (1,) fp32 on the device: every gradient is multiplied by its reciprocal (clipping)
-    n, offset, key,  # element count, flat index of element 0 (Philox counter), the step's Philox key
-    WEIGHTS: tl.constexpr, MOMENTS: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
-):
+def _adamw16_block(w_ptr, g_ptr, m_ptr, v_ptr, x_ptr, coef_ptr, div_ptr, idx, mask, counter, key,
+                   WEIGHTS: tl.constexpr, MOMENTS: tl.constexpr, GRAD_BF16: tl.constexpr):
+    """The update of the elements ``idx`` (masked by ``mask``) of one tensor and its state; the
+    pointers are the tensor's and its state's first elements, ``counter`` the elements' Philox
+    counters (their flat indices)."""
     # The scalars are read from device memory, not passed by value, so that a step recorded in a
     # CUDA graph picks up each replay's learning rate, bias corrections and clipping factor.
     beta1, omb1 = tl.load(coef_ptr + 0), tl.load(coef_ptr + 1)
     beta2, omb2 = tl.load(coef_ptr + 2), tl.load(coef_ptr + 3)
     step_size, inv_sqrt_bc2 = tl.load(coef_ptr + 4), tl.load(coef_ptr + 5)
     eps, lr_wd = tl.load(coef_ptr + 6), tl.load(coef_ptr + 7)
-    pid = tl.program_id(0)
-    idx = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < n
     if GRAD_BF16:
         g = _bf16_to_f32(tl.load(g_ptr + idx, mask=mask, other=0))
     else:
@@ -82,7 +77,7 @@ def _adamw16_kernel(
     g = g * tl.div_rn(1.0, tl.load(div_ptr))   # one division per program, not per element; exact for 1
     w_bits = tl.load(w_ptr + idx, mask=mask, other=0)
     if WEIGHTS == 2 or MOMENTS == 2:
-        r_w, r_m, r_v, _ = tl.randint4x(key, offset + idx)
+        r_w, r_m, r_v, _ = tl.randint4x(key, counter)
         r_w = (r_w & 0xFFFF).to(tl.int32)
         r_m = (r_m & 0xFFFF).to(tl.int32)
         r_v = (r_v & 0xFFFF).to(tl.int32)
@@ -139,6 +134,57 @@ def _adamw16_kernel(
     tl.store(w_ptr + idx, new16.to(tl.int16), mask=mask)
 
 
+
+
+@triton.jit
+def _adamw16_kernel(
+    w_ptr,          # (n,) int16: the bf16 weights' bits, updated in place
+    g_ptr,          # (n,) gradients: int16 bits of bf16 if GRAD_BF16, else fp32
+    m_ptr, v_ptr,   # (n,) moments: fp32, or int16 bits of bf16 if MOMENTS > 0
+    x_ptr,          # (n,) extra buffer: fp32 master / int16 compensation bits / int16 remainder
+    coef_ptr,       # (8,) fp32 on the device: the step's Coefficients, in their field order
+    div_ptr,        # (1,) fp32 on the device: every gradient is multiplied by its reciprocal (clipping)
+    n, offset, key,  # element count, flat index of element 0 (Philox counter), the step's Philox key
+    WEIGHTS: tl.constexpr, MOMENTS: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
+):
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    _adamw16_block(w_ptr, g_ptr, m_ptr, v_ptr, x_ptr, coef_ptr, div_ptr, idx, idx < n, offset + idx, key,
+                   WEIGHTS, MOMENTS, GRAD_BF16)
+
+
+@triton.jit
+def _adamw16_many_kernel(
+    meta_ptr,       # (6, S) int64: per tensor its weight's and gradient's addresses, element count,
+                    # first state index, first Philox counter and first block (rows in that order)
+    block_ptr,      # (blocks,) int32: the tensor each block of BLOCK elements belongs to
+    S,              # tensors
+    m_ptr, v_ptr, x_ptr,   # the group's flat state, as in _adamw16_kernel
+    coef_ptr, div_ptr, key,
+    WEIGHTS: tl.constexpr, MOMENTS: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every address a multiple of 16 bytes, every count and state index of 16
+):
+    pid = tl.program_id(0)
+    t = tl.load(block_ptr + pid)
+    w_addr = tl.load(meta_ptr + t)
+    g_addr = tl.load(meta_ptr + S + t)
+    n = tl.load(meta_ptr + 2 * S + t)
+    first_state = tl.load(meta_ptr + 3 * S + t)
+    first_counter = tl.load(meta_ptr + 4 * S + t)
+    local = (pid - tl.load(meta_ptr + 5 * S + t)) * BLOCK + tl.arange(0, BLOCK)   # (BLOCK,) in the tensor
+    w_ptr = w_addr.to(tl.pointer_type(tl.int16))
+    if GRAD_BF16:
+        g_ptr = g_addr.to(tl.pointer_type(tl.int16))
+    else:
+        g_ptr = g_addr.to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        # What Triton's launcher tells the compiler of pointer and size arguments, said of these
+        # loaded ones: with it the loads and stores become 16-byte vectors.
+        w_ptr, g_ptr = tl.multiple_of(w_ptr, 16), tl.multiple_of(g_ptr, 16)
+        n, first_state = tl.multiple_of(n, 16), tl.multiple_of(first_state, 16)
+    _adamw16_block(w_ptr, g_ptr, m_ptr + first_state, v_ptr + first_state, x_ptr + first_state, coef_ptr, div_ptr,
+                   local, local < n, (first_counter + local).to(tl.int32), key, WEIGHTS, MOMENTS, GRAD_BF16)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
@@ -186,26 +232,87 @@ def adamw16_fused(w: torch.Tensor, g: torch.Tensor, state: dict, variant: str, c
     )
 
 
+def adamw16_many(tables: "_Tables", flat: dict, variant: str, coef: torch.Tensor, key64: int,
+                 grad_div: torch.Tensor) -> None:
+    """One AdamW step over every tensor of ``tables`` (`_Tables.build`) in one launch: each block
+    of 1024 elements looks up its tensor in the tables, then updates exactly as `adamw16_fused`
+    does for that tensor at its flat offset (the same Philox counters, so bit for bit the same
+    result). ``flat``: the group's flat state (`mpgpt.optim16.AdamW16.flat`); ``coef`` the group's
+    coefficients and ``grad_div`` the clipping divisor, fp32 device tensors of 8 and 1 elements."""
+    v = VARIANTS[variant]
+    extra = flat.get(v.extra_buffer) if v.extra_buffer else flat["exp_avg"]  # unused when no buffer
+    _adamw16_many_kernel[(tables.blocks,)](
+        tables.meta, tables.block_map, tables.count,
+        _bits(flat["exp_avg"]), _bits(flat["exp_avg_sq"]), _bits(extra), coef, grad_div, key64,
+        WEIGHTS=WEIGHT_CODES[v.weights], MOMENTS=MOMENT_CODES[v.moments], GRAD_BF16=tables.grad_bf16,
+        BLOCK=_BLOCK, ALIGNED=tables.aligned, **({} if kenv.interpreting() else {"enable_fp_fusion": False}),
+    )
+
+
+_BLOCK = 1024  # elements per program, as adamw16_fused's default
+
+
+class _Tables:
+    """Where each tensor of one step lies, for `adamw16_many`: a (6, S) int64 table (weight and
+    gradient addresses, element count, first state index, first Philox counter, first block) and
+    the tensor of every block, both on the parameters' device. The addresses are those of this
+    step's gradients: rebuilt when they move, reused while they stay (in a recorded step they
+    always stay, and the copy that fills the tables is part of the recording)."""
+
+    def __init__(self, key, meta, block_map, grad_bf16, aligned):
+        self.key, self.meta, self.block_map = key, meta, block_map
+        self.count, self.blocks = meta.shape[1], block_map.numel()
+        self.grad_bf16, self.aligned = grad_bf16, aligned
+
+    @staticmethod
+    def key_of(params) -> tuple:
+        return tuple((p.data_ptr(), p.grad.data_ptr(), p.numel()) for p in params)
+
+    @classmethod
+    def build(cls, params, state: dict, group_offset: int, key: tuple) -> "_Tables":
+        sizes = [p.numel() for p in params]
+        blocks = [-(-n // _BLOCK) for n in sizes]
+        firsts = [0]
+        for b in blocks[:-1]:
+            firsts.append(firsts[-1] + b)
+        counters = [state[p]["offset"] for p in params]
+        rows = [[p.data_ptr() for p in params], [p.grad.data_ptr() for p in params], sizes,
+                [c - group_offset for c in counters], counters, firsts]
+        grad_bf16 = params[0].grad.dtype == torch.bfloat16
+        # 16-byte aligned addresses, and counts and state indices that keep every slice aligned
+        aligned = all(a % 16 == 0 for a in rows[0] + rows[1]) and all(i % 16 == 0 for i in rows[2] + rows[3])
+        if max(c + n for c, n in zip(counters, sizes)) > 2**31 - 1:
+            # element indices and Philox counters are 32-bit in the kernel: past 2^31 they would wrap
+            raise ValueError("the fused AdamW16 kernels index at most 2^31 - 1 elements; "
+                             "update a model this large with mpgpt.optim16.AdamW16")
+        device = params[0].device
+        pinned = device.type == "cuda"  # copied from pinned memory without a sync, as the coefficients are
+        meta = torch.tensor(rows, dtype=torch.int64)                                                  # (6, S)
+        block_map = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32), torch.tensor(blocks))
+        if pinned:
+            meta, block_map = meta.pin_memory(), block_map.pin_memory()
+        return cls(key, meta.to(device, non_blocking=pinned), block_map.to(device, non_blocking=pinned),
+                   grad_bf16, aligned)
+
+
 class FusedAdamW16(AdamW16):
-    """`mpgpt.optim16.AdamW16` whose step runs `adamw16_fused`: one launch per large parameter,
-    one launch for each run of small ones.
+    """`mpgpt.optim16.AdamW16` whose step runs the fused kernel: one launch per parameter group.
 
     Each parameter's state is a slice of the group's flat state and keeps its flat offset, so the
     random bits and therefore the result are the ones AdamW16 computes over the flat group, bit
-    for bit. A large parameter is updated where it lies: nothing is concatenated or copied. A
-    GPT has about a hundred small ones (biases, LayerNorm weights), each too small to fill the
-    GPU, and each launch costs a few microseconds however little it does; so consecutive
-    parameters below ``batch_below`` elements are gathered into one buffer (their gradients
-    too), updated by a single launch over their slice of the flat state, and copied back: a few
-    hundred kilobytes moved instead of a hundred launches. The parameters must be bf16 tensors
-    (the model cast with ``model.to(torch.bfloat16)``).
+    for bit. The parameters are updated where they lie: nothing is concatenated or copied. One
+    launch covers them all (`adamw16_many`), because a launch per parameter leaves most of the
+    GPU idle in the last wave of each: GPT-2 small has 148 parameters, 98 of them biases and
+    LayerNorm weights of at most 3,072 elements, and even its 768 x 768 weights fill only a
+    quarter of one wave of programs on an H100. The parameters must be bf16 tensors (the model
+    cast with ``model.to(torch.bfloat16)``).
 
     The step's coefficients live in one small device tensor per group, rewritten before every
     step (`prepare` or `step`) and read by the kernels: a step recorded as a CUDA graph keeps
     following the learning rate and the bias corrections. Its random bits do not (the Philox
     key is a launch argument), so only the variants without stochastic rounding can be recorded."""
 
-    def __init__(self, params, batch_below: int = 1 << 16, **kwargs):
+    def __init__(self, params, **kwargs):
         super().__init__(params, **kwargs)
         for group in self.param_groups:
             for p in group["params"]:
@@ -219,8 +326,7 @@ class FusedAdamW16(AdamW16):
         device = self.param_groups[0]["params"][0].device
         self.coef = [torch.zeros(8, dtype=torch.float32, device=device) for _ in self.param_groups]
         self.one = torch.ones(1, dtype=torch.float32, device=device)
-        # per group: a list of single large parameters and runs of consecutive small ones
-        self.segments = [_segments(group["params"], batch_below, self.state) for group in self.param_groups]
+        self.tables: list[_Tables | None] = [None] * len(self.param_groups)  # per group, the last step's
 
     def _write_coefficients(self, coefs) -> None:
         # From pinned memory without a sync: the host runs ahead while the copy waits its turn on
@@ -234,47 +340,20 @@ class FusedAdamW16(AdamW16):
             dst.copy_(torch.tensor(c.values(), dtype=torch.float32, pin_memory=pinned), non_blocking=pinned)
 
     def _update_group(self, params, flat, offset, c, key, index=0, grad_div=None) -> None:
-        """The group's step: one launch per large parameter at its own flat offset, one per run
-        of small parameters over the run's slice of the flat state."""
+        """The group's step: one launch over every parameter that has a gradient (one per
+        parameter where their gradients' dtypes differ)."""
         div = self.one if grad_div is None else grad_div.reshape(1).float()
-        coef = self.coef[index]
-        for seg in self.segments[index]:
-            if isinstance(seg, _Run) and all(p.grad is not None and p.grad.dtype == seg.grad.dtype for p in seg.params):
-                torch.cat([p.detach().reshape(-1) for p in seg.params], out=seg.weight)   # (run,)
-                torch.cat([p.grad.reshape(-1) for p in seg.params], out=seg.grad)         # (run,)
-                state = {k: t[seg.start - offset:seg.start - offset + seg.weight.numel()] for k, t in flat.items()}
-                adamw16_fused(seg.weight, seg.grad, state, self.variant, coef, key, seg.start, grad_div=div)
-                torch._foreach_copy_([p.detach().view(-1) for p in seg.params], list(seg.weight.split(seg.sizes)))
-                continue
-            for p in seg.params if isinstance(seg, _Run) else (seg,):  # a large one, or a run missing a gradient
-                if p.grad is not None:
-                    state = self.state[p]
-                    adamw16_fused(p.view(-1), p.grad.contiguous().view(-1), state, self.variant, coef, key,
-                                  state["offset"], grad_div=div)
-
-
-class _Run:
-    """Consecutive small parameters of one group, with the buffers their batched update uses."""
-
-    def __init__(self, params, start):
-        self.params, self.start = params, start          # start: the first one's flat offset
-        self.sizes = [p.numel() for p in params]
-        self.weight = torch.empty(sum(self.sizes), dtype=torch.bfloat16, device=params[0].device)
-        self.grad = torch.empty_like(self.weight)
-
-
-def _segments(params, batch_below, state):
-    """Split a group's parameters (in flat order) into large ones and runs of small ones."""
-    segments, run = [], []
-    for p in list(params) + [None]:
-        if p is not None and p.numel() < batch_below:
-            run.append(p)
-            continue
-        if len(run) == 1:
-            segments.append(run[0])
-        elif run:
-            segments.append(_Run(run, state[run[0]]["offset"]))
-        run = []
-        if p is not None:
-            segments.append(p)
-    return segments
+        live = [p for p in params if p.grad is not None]
+        if not live:
+            return
+        if len({p.grad.dtype for p in live}) > 1 or any(not p.grad.is_contiguous() for p in live):
+            for p in live:
+                state = self.state[p]
+                adamw16_fused(p.view(-1), p.grad.contiguous().view(-1), state, self.variant, self.coef[index], key,
+                              state["offset"], grad_div=div)
+            return
+        key_now = _Tables.key_of(live)
+        tables = self.tables[index]
+        if tables is None or tables.key != key_now:
+            tables = self.tables[index] = _Tables.build(live, self.state, offset, key_now)
+        adamw16_many(tables, flat, self.variant, self.coef[index], key, div)
