@@ -543,3 +543,35 @@ def test_the_fused_kernel_refuses_what_its_32_bit_indices_cannot_reach():
     w = torch.randn(8).to(device=device, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="at most 2\\^31 - 1 elements"):
         fused(w, w, new_state(w, "bf16"), "bf16", coefficients(LR, B1, B2, EPS, WD, 1), offset=2**31 - 4)
+
+
+def test_the_fused_optimizers_tables_while_a_step_is_recorded():
+    """While a CUDA graph records, the one-launch optimizer may not allocate pinned memory and its
+    gradients have new addresses: it writes them into the pinned buffer of the tables an eager
+    step built, reuses that step's block map, and never writes that buffer again (the recording
+    copies it at every replay). Without an eager step before, it says what to do. The logic runs
+    on CPU tensors here; the recording itself is tested on a GPU (tests/test_trainer_optim16.py)."""
+    from mpgpt.kernels.adamw16 import _Tables
+
+    params = [torch.nn.Parameter(torch.randn(s).to(torch.bfloat16)) for s in ((40, 30), (77,))]
+    opt = AdamW16(params, variant="bf16-mantissa")
+    for p in params:
+        p.grad = torch.randn(p.shape).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="an eager step before it"):
+        _Tables.build(params, opt.state, 0, _Tables.key_of(params), None, recording=True)
+    eager = _Tables.build(params, opt.state, 0, _Tables.key_of(params))
+    assert eager.meta[1].tolist() == [p.grad.data_ptr() for p in params]
+    assert eager.block_map.tolist() == [0, 0] + [1]  # 1200 elements: two blocks of 1024; 77: one
+    for p in params:  # the recording's gradients are new tensors
+        p.grad = torch.randn(p.shape).to(torch.bfloat16)
+    recorded = _Tables.build(params, opt.state, 0, _Tables.key_of(params), eager, recording=True)
+    assert recorded.staging is eager.staging and recorded.block_map is eager.block_map and recorded.meta is eager.meta
+    assert recorded.staging[1].tolist() == [p.grad.data_ptr() for p in params] and recorded.recorded
+    frozen = recorded.staging.clone()
+    with pytest.raises(RuntimeError, match="an eager step before it"):  # its buffer is the recording's now
+        _Tables.build(params, opt.state, 0, _Tables.key_of(params), recorded, recording=True)
+    for p in params:
+        p.grad = torch.randn(p.shape).to(torch.bfloat16)
+    later = _Tables.build(params, opt.state, 0, _Tables.key_of(params), recorded)  # an eager step after it
+    assert later.staging is not recorded.staging and torch.equal(recorded.staging, frozen)
+    assert later.meta[1].tolist() == [p.grad.data_ptr() for p in params]

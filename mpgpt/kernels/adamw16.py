@@ -253,46 +253,68 @@ _BLOCK = 1024  # elements per program, as adamw16_fused's default
 
 
 class _Tables:
-    """Where each tensor of one step lies, for `adamw16_many`: a (6, S) int64 table (weight and
-    gradient addresses, element count, first state index, first Philox counter, first block) and
-    the tensor of every block, both on the parameters' device. The addresses are those of this
-    step's gradients: rebuilt when they move, reused while they stay (in a recorded step they
-    always stay, and the copy that fills the tables is part of the recording)."""
+    """Where each tensor of one step lies, for `adamw16_many`: a (6, S) int64 table ``meta``
+    (weight and gradient addresses, element count, first state index, first Philox counter, first
+    block) and ``block_map``, the tensor of every block, both on the parameters' device.
 
-    def __init__(self, key, meta, block_map, grad_bf16, aligned):
-        self.key, self.meta, self.block_map = key, meta, block_map
+    The addresses are those of this step's gradients, so the tables are rebuilt when gradients
+    move and reused while they stay. A step recorded as a CUDA graph allocates its gradients
+    anew while it records, so the tables are rebuilt then too, under two rules. Nothing may be
+    allocated in pinned memory while recording, so the new addresses go into the pinned buffer of
+    the tables an eager step built before (``staging``), and the recording copies that buffer to
+    the device at every replay (7 KB for GPT-2 small); the buffer then belongs to the recording
+    and is never written again. And ``block_map`` (half a megabyte for GPT-2 small) is reused
+    from those tables, which needs the same tensors to have gradients, as in the warm-up steps."""
+
+    def __init__(self, key, sizes, meta, block_map, staging, grad_bf16, aligned):
+        self.key, self.sizes, self.meta, self.block_map, self.staging = key, sizes, meta, block_map, staging
         self.count, self.blocks = meta.shape[1], block_map.numel()
         self.grad_bf16, self.aligned = grad_bf16, aligned
+        self.recorded = False  # staging belongs to a recorded step: never write it again
 
     @staticmethod
     def key_of(params) -> tuple:
         return tuple((p.data_ptr(), p.grad.data_ptr(), p.numel()) for p in params)
 
     @classmethod
-    def build(cls, params, state: dict, group_offset: int, key: tuple) -> "_Tables":
+    def build(cls, params, state: dict, group_offset: int, key: tuple, previous: "_Tables | None" = None,
+              recording: bool = False) -> "_Tables":
         sizes = [p.numel() for p in params]
         blocks = [-(-n // _BLOCK) for n in sizes]
         firsts = [0]
         for b in blocks[:-1]:
             firsts.append(firsts[-1] + b)
         counters = [state[p]["offset"] for p in params]
+        if max(c + n for c, n in zip(counters, sizes)) > 2**31 - 1:
+            # element indices and Philox counters are 32-bit in the kernel: past 2^31 they would wrap
+            raise ValueError("the fused AdamW16 kernels index at most 2^31 - 1 elements; "
+                             "update a model this large with mpgpt.optim16.AdamW16")
         rows = [[p.data_ptr() for p in params], [p.grad.data_ptr() for p in params], sizes,
                 [c - group_offset for c in counters], counters, firsts]
         grad_bf16 = params[0].grad.dtype == torch.bfloat16
         # 16-byte aligned addresses, and counts and state indices that keep every slice aligned
         aligned = all(a % 16 == 0 for a in rows[0] + rows[1]) and all(i % 16 == 0 for i in rows[2] + rows[3])
-        if max(c + n for c, n in zip(counters, sizes)) > 2**31 - 1:
-            # element indices and Philox counters are 32-bit in the kernel: past 2^31 they would wrap
-            raise ValueError("the fused AdamW16 kernels index at most 2^31 - 1 elements; "
-                             "update a model this large with mpgpt.optim16.AdamW16")
         device = params[0].device
+        if recording:
+            if previous is None or previous.sizes != sizes or previous.recorded:
+                raise RuntimeError("a recorded FusedAdamW16 step needs an eager step before it in which the same "
+                                   "parameters had gradients (a warm-up step): its tables are reused while recording")
+            previous.staging.copy_(torch.tensor(rows, dtype=torch.int64))
+            previous.recorded = True
+            previous.meta.copy_(previous.staging, non_blocking=True)  # recorded: repeated at every replay
+            tables = cls(key, sizes, previous.meta, previous.block_map, previous.staging, grad_bf16, aligned)
+            tables.recorded = True
+            return tables
         pinned = device.type == "cuda"  # copied from pinned memory without a sync, as the coefficients are
-        meta = torch.tensor(rows, dtype=torch.int64)                                                  # (6, S)
-        block_map = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32), torch.tensor(blocks))
+        staging = torch.tensor(rows, dtype=torch.int64)                                               # (6, S)
+        if previous is not None and previous.sizes == sizes:
+            block_map = previous.block_map
+        else:
+            block_map = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32), torch.tensor(blocks))
+            block_map = block_map.to(device, non_blocking=False)
         if pinned:
-            meta, block_map = meta.pin_memory(), block_map.pin_memory()
-        return cls(key, meta.to(device, non_blocking=pinned), block_map.to(device, non_blocking=pinned),
-                   grad_bf16, aligned)
+            staging = staging.pin_memory()
+        return cls(key, sizes, staging.to(device, non_blocking=pinned), block_map, staging, grad_bf16, aligned)
 
 
 class FusedAdamW16(AdamW16):
@@ -355,5 +377,6 @@ class FusedAdamW16(AdamW16):
         key_now = _Tables.key_of(live)
         tables = self.tables[index]
         if tables is None or tables.key != key_now:
-            tables = self.tables[index] = _Tables.build(live, self.state, offset, key_now)
+            recording = live[0].is_cuda and torch.cuda.is_current_stream_capturing()
+            tables = self.tables[index] = _Tables.build(live, self.state, offset, key_now, tables, recording)
         adamw16_many(tables, flat, self.variant, self.coef[index], key, div)
