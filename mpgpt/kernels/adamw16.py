@@ -31,7 +31,7 @@ from mpgpt.optim16 import VARIANTS, AdamW16, Coefficients
 from . import env as kenv
 from .env import tl, triton
 
-__all__ = ["adamw16_fused", "adamw16_many", "FusedAdamW16", "WEIGHT_CODES", "MOMENT_CODES"]
+__all__ = ["adamw16_fused", "FusedAdamW16", "WEIGHT_CODES", "MOMENT_CODES"]
 
 WEIGHT_CODES = {"fp32-master": 0, "nearest": 1, "stochastic": 2, "kahan": 3, "mantissa": 4}
 MOMENT_CODES = {"fp32": 0, "nearest": 1, "stochastic": 2}
@@ -132,8 +132,6 @@ def _adamw16_block(w_ptr, g_ptr, m_ptr, v_ptr, x_ptr, coef_ptr, div_ptr, idx, ma
         else:
             new16 = _round_stochastic(x, r_w)
     tl.store(w_ptr + idx, new16.to(tl.int16), mask=mask)
-
-
 
 
 @triton.jit

@@ -69,7 +69,7 @@ else:
     # async_copy_shared_to_global -> async_store; same arguments) and made the old names raise.
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-    # A barrier among the warps of one partition: gl.barrier since Triton 3.7, gl.thread_barrier before.
+    # A barrier among the warps of one partition: gl.barrier in Triton 3.9, gl.thread_barrier in 3.6.
     _sync_partition = getattr(gl, "barrier", None) or gl.thread_barrier
 
 # The one configuration (on the H200, 4 stages beat 3 at each of the three shapes timed both ways).
