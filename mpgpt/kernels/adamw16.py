@@ -260,8 +260,9 @@ class _Tables:
     anew while it records, so the tables are rebuilt then too, under two rules. Nothing may be
     allocated in pinned memory while recording, so the new addresses go into the pinned buffer of
     the tables an eager step built before (``staging``), and the recording copies that buffer to
-    the device at every replay (7 KB for GPT-2 small); the buffer then belongs to the recording
-    and is never written again. And ``block_map`` (half a megabyte for GPT-2 small) is reused
+    the device at every replay (6 x 8 bytes per tensor); the buffer then belongs to the recording
+    and is never written again, and the optimizer keeps it, and the device table it fills, for as
+    long as it lives. And ``block_map`` (half a megabyte for GPT-2 small) is reused
     from those tables, which needs the same tensors to have gradients, as in the warm-up steps."""
 
     def __init__(self, key, sizes, meta, block_map, staging, grad_bf16, aligned):
@@ -272,7 +273,7 @@ class _Tables:
 
     @staticmethod
     def key_of(params) -> tuple:
-        return tuple((p.data_ptr(), p.grad.data_ptr(), p.numel()) for p in params)
+        return tuple((p.data_ptr(), p.grad.data_ptr(), p.numel(), p.grad.dtype) for p in params)
 
     @classmethod
     def build(cls, params, state: dict, group_offset: int, key: tuple, previous: "_Tables | None" = None,
@@ -347,6 +348,7 @@ class FusedAdamW16(AdamW16):
         self.coef = [torch.zeros(8, dtype=torch.float32, device=device) for _ in self.param_groups]
         self.one = torch.ones(1, dtype=torch.float32, device=device)
         self.tables: list[_Tables | None] = [None] * len(self.param_groups)  # per group, the last step's
+        self.recorded_tables: list[_Tables] = []  # read by recorded steps' replays: never freed
 
     def _write_coefficients(self, coefs) -> None:
         # From pinned memory without a sync: the host runs ahead while the copy waits its turn on
@@ -366,15 +368,23 @@ class FusedAdamW16(AdamW16):
         live = [p for p in params if p.grad is not None]
         if not live:
             return
-        if len({p.grad.dtype for p in live}) > 1 or any(not p.grad.is_contiguous() for p in live):
+        dtypes = {p.grad.dtype for p in live}
+        one_launch = len(dtypes) == 1 and dtypes <= {torch.bfloat16, torch.float32} and all(
+            p.grad.is_contiguous() for p in live)
+        if not one_launch:  # the kernel reads one gradient dtype; adamw16_fused refuses others
             for p in live:
                 state = self.state[p]
                 adamw16_fused(p.view(-1), p.grad.contiguous().view(-1), state, self.variant, self.coef[index], key,
                               state["offset"], grad_div=div)
             return
+        recording = live[0].is_cuda and torch.cuda.is_current_stream_capturing()
         key_now = _Tables.key_of(live)
         tables = self.tables[index]
         if tables is None or tables.key != key_now:
-            recording = live[0].is_cuda and torch.cuda.is_current_stream_capturing()
             tables = self.tables[index] = _Tables.build(live, self.state, offset, key_now, tables, recording)
+        if recording:
+            # The recording reads these tables at every replay: they must outlive any later rebuild,
+            # and no later recording may write into them.
+            tables.recorded = True
+            self.recorded_tables.append(tables)
         adamw16_many(tables, flat, self.variant, self.coef[index], key, div)

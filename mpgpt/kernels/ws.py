@@ -41,9 +41,9 @@ gelu(Z), both stored) for the MLP's first product (kernels/mlp.py); `gelu_eligib
 There a third partition does the epilogue: the MMA warps round Z into the staging buffers and go
 on to the next tile, while four more warps store Z, evaluate GELU from it in place, store that,
 and hand the buffers back (two mbarriers, z_ready and z_empty). When the MMA warps evaluated GELU
-themselves, the tensor cores waited for it: 119.3 us a launch in the step's profile against
-95.9 us for the product alone; with the partition, 106.9 us (records train-profile-fastest-h200
-and train-profile-epilogue-h200; benchmarks/NOTES-train.md).
+themselves, the tensor cores waited for it: 119.3 us a launch in the step's profile (record
+train-profile-fastest-h200) against 95.9 us for the product alone (a do_bench probe, not kept);
+with the partition, 106.9 us (record train-profile-epilogue-h200; benchmarks/NOTES-train.md).
 Everything else goes to the TMA kernel (tma.py) or the grouped kernel (grouped.py); `matmul.plan` decides,
 using `ws_eligible` and `ws_preferred`. Gluon kernels run only compiled (there is no interpreter
 for them); where Gluon is missing, WS_IMPORT_ERROR says why and nothing here is used.
