@@ -619,3 +619,32 @@ def test_the_fused_optimizer_equals_adamw16_over_two_groups(monkeypatch):
                             None, 7, 0)
     recorded = opt_fused.recorded_tables[-1]
     assert recorded.recorded and recorded.meta[1].tolist() == [f.grad.data_ptr() for f in (fused[0], fused[2])]
+
+
+
+def test_the_launch_benchmark_compares_two_launch_plans_of_one_update():
+    """bench optim16 --parts launches times FusedAdamW16's launch per group against a launch per
+    tensor: both must make the same update, bit for bit (interpreter, the tiny preset)."""
+    if not kenv.interpreting():
+        pytest.skip("CPU tensors run the kernel in Triton's interpreter, which is off where a GPU is")
+    _kernel()
+    from mpgpt.bench.optim16 import launch_cases
+
+    opt, per_group, per_tensor = launch_cases("bf16-mantissa", "tiny", device="cpu")
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert len(opt.param_groups) == 2 and all(len(g["params"]) for g in opt.param_groups)
+    before = ([p.detach().clone() for p in params], [{k: t.clone() for k, t in f.items()} for f in opt.flat])
+    per_group()
+    after_group = [p.detach().clone() for p in params], [{k: t.clone() for k, t in f.items()} for f in opt.flat]
+    for p, w in zip(params, before[0]):
+        p.detach().copy_(w)
+    for f, saved in zip(opt.flat, before[1]):
+        for k, t in f.items():
+            t.copy_(saved[k])
+    per_tensor()
+    assert not all(_same(p.detach(), w) for p, w in zip(params, before[0]))  # the update did something
+    for p, w in zip(params, after_group[0]):
+        assert _same(p.detach(), w)
+    for f, saved in zip(opt.flat, after_group[1]):
+        for k, t in f.items():
+            assert _same(t, saved[k]), k

@@ -15,6 +15,11 @@ by the memory bandwidth. Every configuration updates GPT-2 small's parameter cou
 
 Each time is the median of ``triton.testing.do_bench`` (CUDA events).
 
+``--parts launches`` times the optimizer's kernels over GPT-2 small's own parameters, in the
+trainer's two groups (matrices, and biases with LayerNorm gains), each recorded as a CUDA graph:
+one launch per group (`FusedAdamW16`, each block finding its tensor in a table) against one
+launch per tensor (`adamw16_fused` on each parameter and its slice of the state).
+
 ``--parts training`` adds GPT-2 small (its 50,304-entry output layer kept) trained for 2000 steps
 of 16 x 256 tokens of the course's character-level Markov text with every variant
 (`mpgpt.kernels.adamw16.FusedAdamW16` over the model cast to bf16), from one seed and one batch
@@ -39,8 +44,9 @@ from mpgpt.kernels.adamw16 import FusedAdamW16, adamw16_fused
 from mpgpt.model import GPT, GPTConfig
 from mpgpt.optim16 import VARIANTS, bytes_per_param, coefficients, new_state, step_seed
 from mpgpt.results import check_tag, write_result
+from mpgpt.trainer import param_groups
 
-__all__ = ["gpt2_shapes", "bytes_moved", "bench_optimizers", "main"]
+__all__ = ["gpt2_shapes", "bytes_moved", "bench_optimizers", "launch_cases", "bench_launches", "main"]
 
 
 def gpt2_shapes(preset: str = "gpt2") -> list[tuple[int, ...]]:
@@ -121,7 +127,55 @@ def bench_optimizers(variants, preset="gpt2") -> list[dict]:
     return rows
 
 
-PARTS = ("step", "training")
+def launch_cases(variant: str = "bf16-mantissa", preset: str = "gpt2", device="cuda"):
+    """(optimizer, per_group, per_tensor) over the preset's parameters in bf16, with random
+    gradients, in the trainer's two groups: two ways to launch the same update. per_group() is
+    FusedAdamW16's step (a launch per group); per_tensor() launches adamw16_fused once per
+    parameter on its slice of the same state, with the same coefficients and Philox key."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        named = [(f"p{i}", torch.nn.Parameter((torch.randn(s) * 0.02).to(torch.bfloat16)))
+                 for i, s in enumerate(gpt2_shapes(preset))]
+    for _, p in named:
+        p.grad = (torch.randn(p.shape, device=device) * 1e-3).to(torch.bfloat16)
+    opt = FusedAdamW16(param_groups(named, 0.1), lr=1e-4, variant=variant)
+    opt.prepare(1)
+    key = step_seed(0, 1)
+
+    def per_group():
+        for i, (group, flat, offset) in enumerate(zip(opt.param_groups, opt.flat, opt.group_offsets)):
+            opt._update_group(group["params"], flat, offset, None, key, i)
+
+    def per_tensor():
+        for i, group in enumerate(opt.param_groups):
+            for p in group["params"]:
+                state = opt.state[p]
+                adamw16_fused(p.view(-1), p.grad.view(-1), state, variant, opt.coef[i], key, state["offset"],
+                              grad_div=opt.one)
+
+    return opt, per_group, per_tensor
+
+
+def bench_launches(variant: str = "bf16-mantissa", preset: str = "gpt2") -> dict:
+    """The two ways of launch_cases, each recorded as a CUDA graph (as the recorded training step
+    runs it) and replayed under do_bench: the GPU's time for the optimizer, no host work."""
+    opt, per_group, per_tensor = launch_cases(variant, preset)
+    res = {"variant": variant, "tensors": sum(len(g["params"]) for g in opt.param_groups),
+           "groups": len(opt.param_groups)}
+    for name, fn in (("per_group", per_group), ("per_tensor", per_tensor)):
+        fn()  # compiles, and builds the tables outside the recording
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        res[f"{name}_ms"] = round(_median_ms(graph.replay), 4)
+    res["speedup"] = round(res["per_tensor_ms"] / res["per_group_ms"], 3)
+    print(f"{variant}: one launch per group ({res['groups']}) {res['per_group_ms'] * 1e3:.0f} us, one per tensor "
+          f"({res['tensors']}) {res['per_tensor_ms'] * 1e3:.0f} us: {res['speedup']:.2f}x", flush=True)
+    return res
+
+
+PARTS = ("step", "launches", "training")
 
 
 def bench_training(variants, preset="gpt2", cfg=None, n_chars: int = 12_000_000, device="cuda") -> dict:
@@ -197,6 +251,9 @@ def main(argv=None) -> int:
     result = {"preset": args.preset, "parameters": n, "tensors": len(shapes)}
     if "step" in parts:
         result["rows"] = bench_optimizers(variants, args.preset)
+        path = write_result("optim16", result, args.out_dir, tag=args.tag, command=command)
+    if "launches" in parts:
+        result["launches"] = [bench_launches(v, args.preset) for v in variants]
         path = write_result("optim16", result, args.out_dir, tag=args.tag, command=command)
     if "training" in parts:
         cfg = RunConfig(steps=args.train_steps)
