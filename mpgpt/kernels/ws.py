@@ -291,7 +291,9 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         mbarrier.init(z_empty, count=1)
         fence_async_shared()  # the initialised barriers, visible to the TMA unit
         # The producer: 1 warp, 40 registers a thread; for EPILOGUE == 1 the GELU partition: 4 warps,
-        # 96 registers a thread; the MMA warps get the rest.
+        # 96 registers a thread; the MMA warps get the rest. The two lists repeat the first two
+        # partitions because the JIT can hold neither a function nor (keeping it constexpr) a
+        # constexpr argument in a variable.
         if EPILOGUE == 1:
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem,
