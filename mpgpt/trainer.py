@@ -349,6 +349,16 @@ class Trainer:
                              "package's loss scalers (--scaler dynamic or static), or cuda_graph off")
         return GraphedStep(self._step_body)
 
+    def _grad_norm(self) -> torch.Tensor:
+        """The 2-norm of all gradients for the clip inside the optimizer: the optimizer's own one-launch
+        norm where it has one over exactly these parameters (FusedAdamW16.grad_norm), else total_norm."""
+        own = getattr(self.optimizer, "grad_norm", None)
+        if own is not None:
+            held = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+            if held == {id(p) for p in self.params}:
+                return own()
+        return total_norm([p.grad for p in self.params if p.grad is not None])
+
     def _can_fuse_clip(self) -> bool:
         """Whether the optimizer can apply the clipping factor itself: torch's fused AdamW reads
         ``optimizer.grad_scale`` and divides every gradient by it. Only with our own scalers (or none),
@@ -416,14 +426,14 @@ class Trainer:
             # fp16 with the fused optimizer: the gradients stay scaled. Their norm, needed for the clip
             # anyway, is the inf/nan check; the optimizer divides by the scale and the clip together,
             # which saves the scaler's pass over every fp32 gradient (read and written once).
-            scaled_norm = total_norm([p.grad for p in self.params if p.grad is not None])
+            scaled_norm = self._grad_norm()
             scale = self.scaler.defer_unscale_(self.optimizer, found_inf=~torch.isfinite(scaled_norm))
             grad_norm = scaled_norm / scale
             self.optimizer.grad_scale = ((grad_norm + 1e-6) / cfg.grad_clip).clamp(min=1.0)
         elif self.clips_in_optimizer:
             self.scaler.unscale_(self.optimizer)  # a no-op without a scaler
             # clip_grad_norm_ multiplies by min(1, clip / (norm + 1e-6)); the kernel divides by the inverse
-            grad_norm = total_norm([p.grad for p in self.params if p.grad is not None])
+            grad_norm = self._grad_norm()
             self.optimizer.grad_scale = ((grad_norm + 1e-6) / cfg.grad_clip).clamp(min=1.0)
         elif cfg.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)  # true gradients from here on: clip them, not scaled ones

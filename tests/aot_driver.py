@@ -117,6 +117,20 @@ def compile_adamw16_many(cc: int, aligned: bool) -> dict:
             "scalar_16bit": ptx.count("ld.global.b16") + ptx.count("st.global.b16")}
 
 
+def compile_grad_sq_sum_many(cc: int, aligned: bool) -> dict:
+    """The gradients' norm over the same tables (bf16 gradients), with and without the promise."""
+    signature = dict(meta_ptr="*i64", block_ptr="*i32", S="i32", blocks="i32", out_ptr="*fp32")
+    constexprs = dict(GRAD_BF16=True, BLOCK=1024, ALIGNED=aligned, PER_PROGRAM=adamw16._NORM_BLOCKS)
+    names = list(signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
+    signature |= {name: "constexpr" for name in constexprs}
+    source = triton.compiler.ASTSource(fn=adamw16._grad_sq_sum_many_kernel, signature=signature,
+                                       constexprs=constexprs, attrs=attrs)
+    ptx = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=4)).asm["ptx"]
+    return {"vector_loads": ptx.count("ld.global.v4"), "vector_stores": ptx.count("st.global.v4"),
+            "scalar_16bit": ptx.count("ld.global.b16") + ptx.count("st.global.b16")}
+
+
 def compile_streamk(kernel: str) -> dict:
     """The stream-K kernel (sm_90) at its GPU tiles, as a weight gradient calls it (A transposed,
     B row-major, bf16 in, fp32 out), and its fixup."""
@@ -259,6 +273,8 @@ def main(targets) -> dict:
         for aligned in (True, False):
             out["results"].append({"cc": cc, "kernel": "adamw16_many" + ("_aligned" if aligned else ""),
                                    "dtype": "bf16", "config": "-", **attempt(compile_adamw16_many, cc, aligned)})
+            out["results"].append({"cc": cc, "kernel": "grad_sq_sum_many" + ("_aligned" if aligned else ""),
+                                   "dtype": "bf16", "config": "-", **attempt(compile_grad_sq_sum_many, cc, aligned)})
     # The stream-K weight-gradient kernel and its fixup (Hopper).
     for name in ("streamk", "streamk_fixup"):
         out["results"].append({"cc": 90, "kernel": name, "dtype": "bf16", "config": "gpu default",

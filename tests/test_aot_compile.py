@@ -81,11 +81,18 @@ def test_the_one_launch_adamw16_compiles_and_vectorises_when_aligned(compiled, c
     """The optimizer's one-launch kernel reads each parameter through an address loaded from a
     table, which tells the compiler nothing of its alignment. Promised alignment (every address,
     count and state index a multiple of 16) must bring back the 16-byte vector accesses the
-    per-tensor kernel gets from Triton's launcher; without the promise, 2-byte accesses remain."""
+    per-tensor kernel gets from Triton's launcher; without the promise, 2-byte accesses remain.
+    The same for the gradients' norm, which reads through the same tables."""
     aligned, ragged = compiled[cc, "adamw16_many_aligned", "bf16"], compiled[cc, "adamw16_many", "bf16"]
     assert aligned["ok"], aligned.get("error")
     assert ragged["ok"], ragged.get("error")
     assert aligned["vector_loads"] > 0 and aligned["vector_stores"] > 0 and aligned["scalar_16bit"] == 0, aligned
+    assert ragged["vector_loads"] == 0 and ragged["scalar_16bit"] > 0, ragged
+    # the gradients' norm over the same tables: loads only
+    aligned, ragged = compiled[cc, "grad_sq_sum_many_aligned", "bf16"], compiled[cc, "grad_sq_sum_many", "bf16"]
+    assert aligned["ok"], aligned.get("error")
+    assert ragged["ok"], ragged.get("error")
+    assert aligned["vector_loads"] > 0 and aligned["scalar_16bit"] == 0, aligned
     assert ragged["vector_loads"] == 0 and ragged["scalar_16bit"] > 0, ragged
 
 

@@ -622,6 +622,49 @@ def test_the_fused_optimizer_equals_adamw16_over_two_groups(monkeypatch):
 
 
 
+@pytest.mark.parametrize("shapes", ["ragged", "aligned"])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_fused_gradient_norm_is_the_norm_of_every_gradient(shapes, grad_dtype, device, monkeypatch):
+    """FusedAdamW16.grad_norm, one launch per group over the step's tables, against the norm of
+    all gradients in float64: over two groups, a parameter without a gradient, and sizes across
+    the programs' 8-block edges. Bound: fp32 sums of squares of up to ~10^4 terms, each rounded
+    once and added in a tree, are within a few 1e-7 of the exact sum; 1e-6 is far below a mistake
+    (a block counted twice or left out moves the norm by percents). Run twice, the same bits; and
+    a group whose gradients differ in dtype falls back to torch's per-tensor norms."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    if device == "cpu" and not kenv.interpreting():
+        pytest.skip("CPU tensors run the kernel in Triton's interpreter, which is off where a GPU is")
+    _kernel()
+    from mpgpt.kernels import adamw16
+    from mpgpt.kernels.adamw16 import FusedAdamW16
+
+    launches = []
+    sq = adamw16.grad_sq_sums
+    monkeypatch.setattr(adamw16, "grad_sq_sums", lambda tables, out: (launches.append(tables.count), sq(tables, out)))
+    sizes = SHAPES[shapes] + [(9 * 1024 + 5,) if shapes == "ragged" else (9 * 1024,), (3,) if shapes == "ragged" else (32,)]
+    params = [torch.nn.Parameter(torch.randn(s).to(torch.bfloat16).to(device)) for s in sizes]
+    groups = [{"params": params[0::2], "weight_decay": 0.1}, {"params": params[1::2], "weight_decay": 0.0}]
+    opt = FusedAdamW16(groups, lr=1e-3, variant="bf16-mantissa")
+    for i, p in enumerate(params):
+        p.grad_dtype = None  # newer torch refuses a gradient of another dtype without this
+        p.grad = None if i == 3 else (torch.randn(p.shape, device=device) * (i + 1)).to(grad_dtype)
+    exact = math.sqrt(sum(p.grad.double().square().sum().item() for p in params if p.grad is not None))
+    norm = opt.grad_norm()
+    assert norm.dtype == torch.float32 and norm.device.type == device and norm.dim() == 0
+    assert abs(norm.item() - exact) <= 1e-6 * exact
+    assert launches == [3, 2]  # one launch a group, over the parameters with gradients
+    assert torch.equal(opt.grad_norm(), norm)
+    # the step after it reuses the tables the norm built
+    tables = list(opt.tables)
+    opt.step()
+    assert all(a is b for a, b in zip(tables, opt.tables))
+    params[1].grad = params[1].grad.to(torch.float16 if grad_dtype == torch.float32 else torch.float32)
+    exact = math.sqrt(sum(p.grad.double().square().sum().item() for p in params if p.grad is not None))
+    assert abs(opt.grad_norm().item() - exact) <= 1e-6 * exact
+
+
 def test_the_launch_benchmark_compares_two_launch_plans_of_one_update():
     """bench optim16 --parts launches times FusedAdamW16's launch per group against a launch per
     tensor: both must make the same update, bit for bit (interpreter, the tiny preset)."""

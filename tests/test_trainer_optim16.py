@@ -77,6 +77,25 @@ def test_a_step_count_off_by_one_would_be_caught():
     assert _apart(ours, ref) > 0.5
 
 
+def test_the_clip_takes_the_optimizers_own_norm_where_it_covers_every_parameter():
+    """On a GPU the optimizer is FusedAdamW16, whose grad_norm reads every gradient in one launch per
+    group: the trainer clips with it when the optimizer holds exactly the trainer's parameters, and
+    with total_norm when it does not (stand-ins here; the kernel is tested in test_optim16.py)."""
+    torch.set_num_threads(1)
+    trainer = Trainer(_cfg(optim16="bf16-mantissa", steps=1))
+    calls = []
+    trainer.optimizer.grad_norm = lambda: (calls.append(1), torch.tensor(12.5))[1]
+    trainer.run()
+    assert calls == [1] and trainer.history.grad_norm == [12.5]
+    for p in trainer.params:
+        p.grad = torch.randn(p.shape).to(p.dtype)
+    trainer.params = trainer.params[:-1]  # the optimizer now holds one parameter more than the trainer
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in trainer.params]))
+    # fp32 norms of each gradient, then the norm of those: within a few 1e-6 of the float64 norm
+    torch.testing.assert_close(trainer._grad_norm().double(), expected, rtol=2e-5, atol=0)
+    assert calls == [1]
+
+
 @pytest.mark.parametrize("variant", ["fp32-master", "bf16-sr"])
 def test_optim16_resumes_bit_for_bit(tmp_path, variant):
     """Four steps, a checkpoint, four more in a new trainer: the losses and weights of eight in one

@@ -18,7 +18,8 @@ Each time is the median of ``triton.testing.do_bench`` (CUDA events).
 ``--parts launches`` times the optimizer's kernels over GPT-2 small's own parameters, in the
 trainer's two groups (matrices, and biases with LayerNorm gains), each recorded as a CUDA graph:
 one launch per group (`FusedAdamW16`, each block finding its tensor in a table) against one
-launch per tensor (`adamw16_fused` on each parameter and its slice of the state).
+launch per tensor (`adamw16_fused` on each parameter and its slice of the state); and the
+gradients' norm for the clip, `FusedAdamW16.grad_norm` against torch's multi-tensor norms.
 
 ``--parts training`` adds GPT-2 small (its 50,304-entry output layer kept) trained for 2000 steps
 of 16 x 256 tokens of the course's character-level Markov text with every variant
@@ -44,7 +45,7 @@ from mpgpt.kernels.adamw16 import FusedAdamW16, adamw16_fused
 from mpgpt.model import GPT, GPTConfig
 from mpgpt.optim16 import VARIANTS, bytes_per_param, coefficients, new_state, step_seed
 from mpgpt.results import check_tag, write_result
-from mpgpt.trainer import param_groups
+from mpgpt.trainer import param_groups, total_norm
 
 __all__ = ["gpt2_shapes", "bytes_moved", "bench_optimizers", "launch_cases", "bench_launches", "main"]
 
@@ -172,6 +173,19 @@ def bench_launches(variant: str = "bf16-mantissa", preset: str = "gpt2") -> dict
     res["speedup"] = round(res["per_tensor_ms"] / res["per_group_ms"], 3)
     print(f"{variant}: one launch per group ({res['groups']}) {res['per_group_ms'] * 1e3:.0f} us, one per tensor "
           f"({res['tensors']}) {res['per_tensor_ms'] * 1e3:.0f} us: {res['speedup']:.2f}x", flush=True)
+    # The clip's norm of the same gradients: FusedAdamW16.grad_norm (a launch per group, through the
+    # same tables) against the trainer's torch path (total_norm: torch's multi-tensor norms).
+    grads = [p.grad for g in opt.param_groups for p in g["params"]]
+    for name, fn in (("norm_per_group", opt.grad_norm), ("norm_torch", lambda: total_norm(grads))):
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        res[f"{name}_ms"] = round(_median_ms(graph.replay), 4)
+    res["norm_speedup"] = round(res["norm_torch_ms"] / res["norm_per_group_ms"], 3)
+    print(f"{variant}: the gradients' norm in a launch per group {res['norm_per_group_ms'] * 1e3:.0f} us, "
+          f"torch's multi-tensor norm {res['norm_torch_ms'] * 1e3:.0f} us: {res['norm_speedup']:.2f}x", flush=True)
     return res
 
 
