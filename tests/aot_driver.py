@@ -49,9 +49,12 @@ def compile_gelu_backward(cc: int, dtype: str) -> dict:
 
 
 def compile_cross_entropy(cc: int, dtype: str) -> dict:
+    """The fused classifier's kernel, writing the gradient of the sum (fp16), or of the mean (bf16: the
+    scale a model held in bf16 gets)."""
     signature = {"logits_ptr": f"*{dtype}", "grad_ptr": f"*{dtype}", "targets_ptr": "*i64", "loss_ptr": "*fp32",
-                 "V": "i32", "stride_l": "i32", "stride_g": "i32", "BLOCK_V": "constexpr", "WRITE_GRAD": "constexpr"}
-    constexprs = {"BLOCK_V": cross_entropy._BLOCK_V, "WRITE_GRAD": True}
+                 "V": "i32", "stride_l": "i32", "stride_g": "i32", "scale_ptr": "*fp32", "BLOCK_V": "constexpr",
+                 "WRITE_GRAD": "constexpr", "SCALED": "constexpr"}
+    constexprs = {"BLOCK_V": cross_entropy._BLOCK_V, "WRITE_GRAD": True, "SCALED": dtype == "bf16"}
     source = triton.compiler.ASTSource(fn=cross_entropy._cross_entropy_kernel, signature=signature,
                                        constexprs=constexprs)
     kernel = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=cross_entropy._NUM_WARPS))

@@ -16,6 +16,7 @@ u is the compute dtype's unit roundoff (half its epsilon: 2^-8 bf16, 2^-11 fp16,
 Each element of each gradient is checked against its own bound, and each bound is checked to be
 small against the gradient itself, so the test would catch a wrong scale, sign or index.
 """
+import contextlib
 import math
 
 import pytest
@@ -93,11 +94,10 @@ def _assert_within(got, ref, bound, name, max_relative_bound):
     assert bound.norm() <= max_relative_bound * ref.norm(), f"{name}: bound {bound.norm():.3g} vs {ref.norm():.3g}"
 
 
-def _check_against_float64(x, w, t, dtype):
-    if x.is_cuda and dtype is torch.bfloat16 and runtime.capability() < (8, 0):
-        pytest.skip("bf16 Triton kernels need compute capability >= 8.0")
-    # cuBLAS may round split-K partial sums to 16 bits, or fp32 inputs to TF32, unless told not to;
-    # the bound counts neither (a trainer built earlier in this process may have allowed TF32).
+@contextlib.contextmanager
+def _exact_matmuls():
+    """cuBLAS may round split-K partial sums to 16 bits, or fp32 inputs to TF32, unless told not to;
+    the bounds count neither (a trainer built earlier in this process may have allowed TF32)."""
     matmul = torch.backends.cuda.matmul
     flags = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
     saved = [getattr(matmul, f) for f in flags], torch.get_float32_matmul_precision()
@@ -105,11 +105,18 @@ def _check_against_float64(x, w, t, dtype):
         setattr(matmul, f, False)
     torch.set_float32_matmul_precision("highest")
     try:
-        _check_bounds(x, w, t, dtype)
+        yield
     finally:
         for f, value in zip(flags, saved[0]):
             setattr(matmul, f, value)
         torch.set_float32_matmul_precision(saved[1])
+
+
+def _check_against_float64(x, w, t, dtype):
+    if x.is_cuda and dtype is torch.bfloat16 and runtime.capability() < (8, 0):
+        pytest.skip("bf16 Triton kernels need compute capability >= 8.0")
+    with _exact_matmuls():
+        _check_bounds(x, w, t, dtype)
 
 
 def _check_bounds(x, w, t, dtype):
@@ -129,6 +136,36 @@ def _check_bounds(x, w, t, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_loss_and_gradients_match_float64_within_the_rounding_bound(dtype):
     _check_against_float64(*_inputs(), dtype)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_a_model_held_in_bf16_gets_the_gradients_of_the_mean_within_the_rounding_bound(x_dtype):
+    """A bf16 W (a model cast to bf16, as the trainer's 16-bit AdamW keeps it), with bf16 hidden
+    states, or fp32 ones under bf16 autocast (ln_f's output there): the kernel writes g / n and
+    cuBLAS writes W's gradient in bf16. The bound is the one above plus two roundings to bf16 for
+    grad_w (the product's, and its product with the upstream gradient, 3.0, not a power of two)
+    and one for a bf16 grad_x. A 1/n applied twice or not at all, or a lost upstream gradient, is
+    off by factors of 3 to n."""
+    if DEVICE == "cuda" and runtime.capability() < (8, 0):
+        pytest.skip("bf16 Triton kernels need compute capability >= 8.0")
+    x, w, t = _inputs()
+    x, w = x.detach().to(torch.bfloat16).to(x_dtype).requires_grad_(True), w.detach().to(torch.bfloat16).requires_grad_(True)
+    u = UNIT_ROUNDOFF[torch.bfloat16]
+    with _exact_matmuls():
+        ref, rx, rw, loss_bound, bx, bw = _reference_and_bounds(x, w, t, torch.bfloat16, 3.0)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=x_dtype is torch.float32):
+            out = fused_linear_cross_entropy(x, w, t)
+        gx, gw = torch.autograd.grad(out * 3.0, (x, w))
+    assert out.dtype is torch.float32 and gx.dtype is x_dtype and gw.dtype is torch.bfloat16
+    assert abs(out.item() - ref) <= loss_bound, (out.item(), ref, loss_bound)
+    roundings = {"grad_x": int(x_dtype is torch.bfloat16), "grad_w": 2}
+    for got, r, bound, name in ((gx, rx, bx, "grad_x"), (gw, rw, bw, "grad_w")):
+        for _ in range(roundings[name]):
+            bound = bound + u * (r.abs() + bound)
+        _assert_within(got, r, bound, name, 0.1)
+    assert torch.all(gx[t == -1] == 0)
+    with pytest.raises(ValueError, match="mean_grads needs bf16"):
+        linear_cross_entropy_op(x.detach().half(), w.detach().half(), t, True, True)
 
 
 @pytest.mark.gpu
@@ -202,6 +239,8 @@ def test_the_operator_passes_opcheck():
     x, w, t = _inputs(N=6, C=8, V=70)
     for compute_grad in (True, False):
         torch.library.opcheck(linear_cross_entropy_op, (x.detach().to(LOW), w.detach().to(LOW), t, compute_grad))
+        if LOW is torch.bfloat16:
+            torch.library.opcheck(linear_cross_entropy_op, (x.detach().to(LOW), w.detach().to(LOW), t, compute_grad, True))
 
 
 def test_it_compiles_in_one_graph_and_matches_eager_exactly():

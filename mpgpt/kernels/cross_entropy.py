@@ -12,13 +12,21 @@ logits, and overwrites the logits with that gradient. This module does the same:
       pass 1   m, s = online max and sum of exp    fp32;  lse = m + log(s)
                loss_row = lse - logits[target]
       pass 2   logits <- softmax - onehot(target)  = exp(logit - lse) - [j == target], in [-1, 1]
-    grad_x = g @ W,  grad_w = g^T @ x              (N, C), (V, C), fp32 out, torch/cuBLAS
+    grad_x = g @ W,  grad_w = g^T @ x              (N, C), (V, C), fp32 out (grad_w bf16 below), torch/cuBLAS
 
 so no fp32 logits exist, the logits are read twice and written once by the kernel, and nothing the
 size of the logits outlives the forward pass. As in mpgpt.fused_loss (which this copies, chunk by
 chunk there, whole here), ``g`` is the gradient of the *summed* loss: left unnormalised, its small
 probabilities stay above fp16's smallest subnormal (2^-24); the 1/n of the mean and the upstream
 gradient (a loss scale) are applied in fp32 in the backward pass, which only rescales.
+
+A model held in bf16 (the trainer's 16-bit AdamW) takes W's gradient in bf16 in the end, and bf16
+has fp32's exponent range, so g / n loses nothing to underflow there. Where W and the compute
+dtype are bf16, the kernel therefore multiplies g by 1/n before rounding it (one rounding, as
+before), and cuBLAS writes g^T @ x in bf16 from its fp32 accumulator: for GPT-2 that gradient is
+77 MB instead of 154 MB, written once in the forward pass and read once in the backward pass, which
+then only multiplies it by the upstream gradient (exactly, when that is 1 or a power of two).
+grad_x stays fp32 (the hidden states may be fp32 under autocast; it is 16 times smaller).
 
 Rows whose target is -1 are ignored: no loss, a zero gradient row (-1 is the package's convention,
 as in GPT.forward; torch's F.cross_entropy defaults to -100, which here counts as out of range). A
@@ -60,8 +68,10 @@ def _cross_entropy_kernel(
     V,                      # vocabulary size (any, not a multiple of BLOCK_V)
     stride_l,               # row stride of logits, in elements
     stride_g,               # row stride of grad, in elements
+    scale_ptr,              # (1,) fp32: g is multiplied by it before its rounding (read only if SCALED)
     BLOCK_V: tl.constexpr,  # logits per iteration
     WRITE_GRAD: tl.constexpr,  # False: loss only (evaluation)
+    SCALED: tl.constexpr,   # write g * scale (the mean's gradient) instead of g (the sum's)
 ):
     row = tl.program_id(axis=0).to(tl.int64)  # 64-bit: row * stride exceeds 2^31 for large N * V
     x_row = logits_ptr + row * stride_l
@@ -93,15 +103,19 @@ def _cross_entropy_kernel(
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_V,)
             g = tl.exp(x - lse) - tl.where(offs == t, 1.0, 0.0)
             g = tl.where(valid, g, 0.0)
+            if SCALED:
+                g = g * tl.load(scale_ptr)
             tl.store(g_row + offs, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
-def cross_entropy_rows_(logits: Tensor, targets: Tensor, write_grad: bool = True) -> Tensor:
+def cross_entropy_rows_(logits: Tensor, targets: Tensor, write_grad: bool = True,
+                        grad_scale: Tensor | None = None) -> Tensor:
     """Per-row cross-entropy of ``logits`` (N, V) against ``targets`` (N,), -1 = ignore -> (N,) fp32.
 
     With ``write_grad`` the logits are overwritten, in place, with the gradient of the summed loss,
-    softmax(logits) - onehot(target), in their own dtype (zeros on ignored rows). The trailing
-    underscore says so, as in torch."""
+    softmax(logits) - onehot(target), in their own dtype (zeros on ignored rows), multiplied by
+    ``grad_scale`` (a one-element fp32 tensor on the logits' device) before it is rounded, if given.
+    The trailing underscore says so, as in torch."""
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"expected logits (N, V) and targets (N,); got {tuple(logits.shape)} and "
                          f"{tuple(targets.shape)}")
@@ -123,8 +137,13 @@ def cross_entropy_rows_(logits: Tensor, targets: Tensor, write_grad: bool = True
         grad = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     block = _INTERPRET_BLOCK_V if interpreted else _BLOCK_V
     extra = {} if interpreted else {"num_warps": _NUM_WARPS}
+    if grad_scale is not None and (grad_scale.dtype != torch.float32 or grad_scale.numel() != 1
+                                   or grad_scale.device != logits.device):
+        raise ValueError(f"grad_scale must be a one-element fp32 tensor on {logits.device}, got {grad_scale.dtype} "
+                         f"{tuple(grad_scale.shape)} on {grad_scale.device}")
     _cross_entropy_kernel[(N,)](logits, grad, targets.contiguous(), loss, V, logits.stride(0), grad.stride(0),
-                                BLOCK_V=block, WRITE_GRAD=write_grad, **extra)
+                                loss if grad_scale is None else grad_scale,
+                                BLOCK_V=block, WRITE_GRAD=write_grad, SCALED=grad_scale is not None, **extra)
     if grad is not logits:
         logits.copy_(grad)
     return loss
@@ -146,37 +165,54 @@ def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("mpgpt::linear_cross_entropy", mutates_args=())
-def linear_cross_entropy_op(x: Tensor, w: Tensor, targets: Tensor, compute_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+def linear_cross_entropy_op(x: Tensor, w: Tensor, targets: Tensor, compute_grad: bool,
+                            mean_grads: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Summed cross-entropy of ``x @ w.T`` and, with ``compute_grad``, its gradients.
 
     x (N, C) and w (V, C) in the compute dtype, targets (N,) int64 with -1 = ignore. Returns
     (loss_sum: fp32 scalar, grad_x: (N, C) fp32, grad_w: (V, C) fp32), the gradients of the *sum*;
-    without ``compute_grad`` the two gradients are empty and their GEMMs are skipped."""
+    without ``compute_grad`` the two gradients are empty and their GEMMs are skipped. With
+    ``mean_grads`` (bf16 inputs only) the gradients are those of the *mean* over the targets that
+    are not -1, and grad_w comes in bf16: the kernel scales g by 1/n before rounding it, and cuBLAS
+    writes that product in bf16 (the module docstring says when and why)."""
+    if mean_grads and (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16):
+        raise ValueError(f"mean_grads needs bf16 x and w (fp16's range loses g / n), got {x.dtype} and {w.dtype}")
     logits = torch.mm(x, w.t())                                          # (N, V), compute dtype
-    loss_sum = cross_entropy_rows_(logits, targets, write_grad=compute_grad).sum()
+    scale = None
+    if compute_grad and mean_grads:
+        scale = 1.0 / (targets != -1).sum().clamp_min(1).to(torch.float32).reshape(1)   # on the device: no sync
+    loss_sum = cross_entropy_rows_(logits, targets, write_grad=compute_grad, grad_scale=scale).sum()
+    w_grad_dtype = torch.bfloat16 if mean_grads else torch.float32
     if not compute_grad:
-        return loss_sum, x.new_empty(0, dtype=torch.float32), w.new_empty(0, dtype=torch.float32)
-    return loss_sum, _mm_fp32(logits, w), _mm_fp32(logits.t(), x)       # g @ W (N, C), g^T @ x (V, C)
+        return loss_sum, x.new_empty(0, dtype=torch.float32), w.new_empty(0, dtype=w_grad_dtype)
+    grad_w = torch.mm(logits.t(), x) if mean_grads else _mm_fp32(logits.t(), x)       # g^T @ x (V, C)
+    return loss_sum, _mm_fp32(logits, w), grad_w                                      # g @ W (N, C) fp32
 
 
 @linear_cross_entropy_op.register_fake
-def _(x, w, targets, compute_grad):
+def _(x, w, targets, compute_grad, mean_grads=False):
     loss_sum = x.new_empty((), dtype=torch.float32)
+    w_grad_dtype = torch.bfloat16 if mean_grads else torch.float32
     if not compute_grad:
-        return loss_sum, x.new_empty(0, dtype=torch.float32), w.new_empty(0, dtype=torch.float32)
-    return loss_sum, x.new_empty(x.shape, dtype=torch.float32), w.new_empty(w.shape, dtype=torch.float32)
+        return loss_sum, x.new_empty(0, dtype=torch.float32), w.new_empty(0, dtype=w_grad_dtype)
+    return loss_sum, x.new_empty(x.shape, dtype=torch.float32), w.new_empty(w.shape, dtype=w_grad_dtype)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, targets, compute_dtype):
         # x (N, C), weight (V, C), targets (N,) with -1 for "ignore"
-        loss_sum, grad_x, grad_w = linear_cross_entropy_op(x.to(compute_dtype), weight.to(compute_dtype), targets, True)
+        ctx.mean_grads = weight.dtype == compute_dtype == torch.bfloat16  # a model held in bf16
+        loss_sum, grad_x, grad_w = linear_cross_entropy_op(x.to(compute_dtype), weight.to(compute_dtype), targets, True,
+                                                           ctx.mean_grads)
         return save_summed_grads(ctx, loss_sum, grad_x, grad_w, targets, x.dtype, weight.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         first_derivative_only("set_fused_loss", "GPT.set_fused_loss(False)")
+        if ctx.mean_grads:  # the 1/n is in already: only the upstream gradient (exact for a power of two)
+            grad_x, grad_w, _ = ctx.saved_tensors
+            return (grad_x * grad_out).to(ctx.dtypes[0]), grad_w * grad_out, None, None
         return (*rescale_summed_grads(ctx, grad_out), None, None)
 
 
