@@ -264,6 +264,7 @@ class GPT(nn.Module):
         self.loss_chunk_rows = 0  # 0: full logits; see set_chunked_loss
         self.fused_loss = None  # the fused Triton loss function when on; see set_fused_loss
         self.fused_layer_norm = None  # residual add + LayerNorm with a one-pass backward; see set_fused_layer_norm
+        self.fused_embedding = None  # the tied matrix's two gradients added in one place; see set_fused_embedding
 
         # GPT-2 / nanoGPT initialisation: N(0, 0.02) for weights, zeros for biases...
         self.apply(self._init_weights)
@@ -293,10 +294,15 @@ class GPT(nn.Module):
         """
         self._check_idx(idx)
         B, T = idx.shape
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
-        tok_emb = self.transformer.wte(idx)  # (B, T, C)
-        pos_emb = self.transformer.wpe(pos)  # (T, C), broadcast over the batch
-        x = self.transformer.drop(tok_emb + pos_emb)  # (B, T, C)
+        if self.fused_embedding is not None:
+            # the same sum; the output layer then multiplies by head_weight, the tied matrix as a view
+            x, head_weight = self.fused_embedding(idx, self._tied_weight(), self.transformer.wpe.weight)  # (B, T, C)
+        else:
+            pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+            tok_emb = self.transformer.wte(idx)  # (B, T, C)
+            pos_emb = self.transformer.wpe(pos)  # (T, C), broadcast over the batch
+            x, head_weight = tok_emb + pos_emb, self.lm_head.weight
+        x = self.transformer.drop(x)  # (B, T, C)
         checkpointing = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         if self.fused_layer_norm is not None and not checkpointing:
             x = self._blocks_with_fused_layer_norm(x)  # ln_f(blocks(x)): (B, T, C)
@@ -312,12 +318,12 @@ class GPT(nn.Module):
             if targets.shape != idx.shape:
                 raise ValueError(f"targets shape {tuple(targets.shape)} must match idx shape {tuple(idx.shape)}")
             if self.fused_loss is not None:
-                loss = self.fused_loss(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1))
+                loss = self.fused_loss(x.reshape(B * T, -1), head_weight, targets.reshape(-1))
             else:
-                loss = chunked_linear_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
+                loss = chunked_linear_cross_entropy(x.reshape(B * T, -1), head_weight, targets.reshape(-1),
                                                     self.loss_chunk_rows)
             return None, loss  # no full logits exist in this mode
-        logits = self.lm_head(x)  # (B, T, V)
+        logits = self.lm_head(x) if head_weight is self.lm_head.weight else F.linear(x, head_weight)  # (B, T, V)
 
         loss = None
         if targets is not None:
@@ -359,6 +365,18 @@ class GPT(nn.Module):
                 out = torch.float32 if torch.is_autocast_enabled(x.device.type) else x.dtype
                 x, y = add_ln(x, block.mlp(y), self.transformer.ln_f, out)
         return y
+
+    def _tied_weight(self) -> torch.Tensor:
+        """The matrix wte and lm_head share, for the fused embedding, which skips both modules' forward."""
+        wte, head = self.transformer.wte, self.lm_head
+        if head.weight is not wte.weight:
+            raise RuntimeError("set_fused_embedding adds the embedding's gradient into the output layer's, which "
+                               "needs the two to share one matrix (lm_head.weight is transformer.wte.weight); "
+                               "call set_fused_embedding(False)")
+        if any(_has_hooks(m) for m in (wte, self.transformer.wpe, head, None)):
+            raise RuntimeError("set_fused_embedding skips the embeddings' and lm_head's forward, and hooks are "
+                               "registered on them; call set_fused_embedding(False)")
+        return wte.weight
 
     def _check_idx(self, idx) -> None:
         if not isinstance(idx, torch.Tensor):
@@ -483,6 +501,26 @@ class GPT(nn.Module):
 
         self.fused_loss = fused_linear_cross_entropy
         self.loss_chunk_rows = 0
+        return self
+
+    def set_fused_embedding(self, enable: bool = True) -> "GPT":
+        """Look up the input through ``mpgpt.kernels.embedding.tied_embedding``: the same forward
+        sum, and in the backward pass the token embedding's gradient added into the output layer's
+        gradient of the shared matrix where it lies, row by touched row (a Triton pass on a GPU,
+        torch's ops on a CPU), instead of as a second dense matrix. Needs the tied matrix. Raises a
+        RuntimeError at once where Triton is not installed. Returns self."""
+        if not enable:
+            self.fused_embedding = None
+            return self
+        from mpgpt.kernels import env  # imported here: Triton is optional for chapters 1-5
+
+        if env.TRITON_IMPORT_ERROR is not None:
+            raise RuntimeError("set_fused_embedding needs Triton, which is not installed here (it ships for Linux "
+                               "only); leave it off")
+        self._tied_weight()
+        from mpgpt.kernels.embedding import tied_embedding
+
+        self.fused_embedding = tied_embedding
         return self
 
     def set_fused_layer_norm(self, enable: bool = True) -> "GPT":

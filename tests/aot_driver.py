@@ -18,7 +18,8 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from mpgpt.kernels import adamw16, cross_entropy, fp8_matmul, gelu, grouped, heads, layernorm, partials, streamk  # noqa: E402
+from mpgpt.kernels import (adamw16, cross_entropy, embedding, fp8_matmul, gelu, grouped, heads, layernorm,  # noqa: E402
+                           partials, streamk)
 
 POINTERS = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "z_ptr"]
 INTS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
@@ -132,6 +133,24 @@ def compile_grad_sq_sum_many(cc: int, aligned: bool) -> dict:
     ptx = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=4)).asm["ptx"]
     return {"vector_loads": ptx.count("ld.global.v4"), "vector_stores": ptx.count("st.global.v4"),
             "scalar_16bit": ptx.count("ld.global.b16") + ptx.count("st.global.b16")}
+
+
+def compile_embedding(cc: int, dtype: str, kernel: str) -> dict:
+    """The tied embedding's two kernels at their GPU tiles: the tails, and the addition into dW's rows
+    (d and dW in ``dtype``)."""
+    R, chunk, warps = embedding._CONFIG
+    signature = dict(d_ptr=f"*{dtype}", order_ptr="*i64", tok_ptr="*i32", tail_ptr="*fp32")
+    if kernel == "embedding_tails":
+        fn = embedding._run_tails_kernel
+        signature |= dict(M="i32", C="i32")
+    else:
+        fn = embedding._add_runs_kernel
+        signature |= dict(dw_ptr=f"*{dtype}", M="i32", C="i32", stride_dw="i32")
+    constexprs = dict(R=R, CHUNK=chunk)
+    signature |= {name: "constexpr" for name in constexprs}
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=warps))
+    return {"shared": compiled.metadata.shared}
 
 
 def compile_streamk(kernel: str) -> dict:
@@ -278,6 +297,11 @@ def main(targets) -> dict:
                                    "dtype": "bf16", "config": "-", **attempt(compile_adamw16_many, cc, aligned)})
             out["results"].append({"cc": cc, "kernel": "grad_sq_sum_many" + ("_aligned" if aligned else ""),
                                    "dtype": "bf16", "config": "-", **attempt(compile_grad_sq_sum_many, cc, aligned)})
+    # The tied embedding's kernels: fp16 on a T4, bf16 on Hopper.
+    for cc, dtype in ((75, "fp16"), (90, "bf16")):
+        for name in ("embedding_tails", "embedding_add"):
+            out["results"].append({"cc": cc, "kernel": name, "dtype": dtype, "config": "gpu default",
+                                   **attempt(compile_embedding, cc, dtype, name)})
     # The stream-K weight-gradient kernel and its fixup (Hopper).
     for name in ("streamk", "streamk_fixup"):
         out["results"].append({"cc": 90, "kernel": name, "dtype": "bf16", "config": "gpu default",

@@ -96,6 +96,17 @@ def test_the_one_launch_adamw16_compiles_and_vectorises_when_aligned(compiled, c
     assert ragged["vector_loads"] == 0 and ragged["scalar_16bit"] > 0, ragged
 
 
+@pytest.mark.parametrize("cc,dtype", [(75, "fp16"), (90, "bf16")])
+@pytest.mark.parametrize("kernel", ["embedding_tails", "embedding_add"])
+def test_the_tied_embeddings_kernels_compile(compiled, cc, dtype, kernel):
+    """The segmented scan (tl.associative_scan over a pair) and the walk back through the tiles'
+    tails (a while loop on loaded values) run in the interpreter on a CPU, which never compiles
+    them."""
+    record = compiled[cc, kernel, dtype]
+    assert record["ok"], record.get("error")
+    assert record["shared"] <= SHARED_PER_BLOCK[cc]
+
+
 @pytest.mark.parametrize("cc,kernel", [(89, "fp8_matmul"), (90, "fp8_matmul_tma")])
 def test_the_fp8_gemms_compile_for_fp8_tensor_cores(compiled, cc, kernel):
     """fp8 output, rowwise scales and promotion: the epilogue both kernels share, compiled for the L4

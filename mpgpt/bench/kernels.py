@@ -40,6 +40,12 @@ between runs so we do not time the cache):
    keeps its parameters: torch's sum followed by the casts, against `partials.sum_partials`, as
    replayed CUDA graphs (so the gaps between launches count, as in a step recorded whole).
 
+9. The tied embedding's gradient added into the output layer's (embedding.py), at GPT-2 small's
+   12288 tokens, 50,304 x 768 matrix in bf16, for uniformly random tokens (as the training
+   benchmark draws them) and for text-like ones (a Zipf law: long runs of a few tokens): what
+   Inductor compiles for the unfused sum (a scatter into zeros, then a dense addition) against
+   `embedding_grad_into_` in place, at its default tiles and others, as replayed CUDA graphs.
+
 Prints a table and writes kernels_<gpu>_<date>.json into --out-dir (default: the current folder)
 with the GPU, driver, CUDA, torch and triton versions, the date, the command and the commit
 (mpgpt.results). The record chapter 6 shows is mpgpt.results.load_record("kernels-h200").
@@ -56,7 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpgpt.kernels import env as kenv
-from mpgpt.kernels import gelu, grouped, heads, layernorm, linear, partials, streamk, tma, ws
+from mpgpt.kernels import embedding, gelu, grouped, heads, layernorm, linear, partials, streamk, tma, ws
 from mpgpt.kernels.linear import TritonLinear, gelu_tanh_grad
 from mpgpt.kernels.matmul import matmul, plan
 from mpgpt.results import environment as base_environment
@@ -368,6 +374,47 @@ def bench_partials(dtype=torch.bfloat16):
     return res
 
 
+# Tile configurations (R, CHUNK, num_warps) of embedding_grad_into_ timed beside its default.
+EMBEDDING_CONFIGS = [(64, 64, 8), (16, 64, 4), (32, 128, 4), (64, 128, 8), (32, 32, 2)]
+
+
+def bench_embedding_grad(M=12288, V=50304, C=768, dtype=torch.bfloat16):
+    """Part 9: dW = dW_head + the token embedding's gradient, for uniform and Zipf-distributed tokens.
+    Inductor's code for the unfused sum (``dw + embedding_dense_backward(d, idx)``, what the compiled
+    model's autograd adds) against embedding_grad_into_ (in place: each replay adds once more, which
+    changes no timing), as replayed CUDA graphs. The floor of the in-place sum: read d and the
+    touched rows of dW, write those rows."""
+    res = {"M": M, "V": V, "C": C}
+    d = torch.randn(M, C, device="cuda").to(dtype)
+    ranks = torch.arange(1, V + 1, dtype=torch.float64)
+    for name, idx in (("uniform", torch.randint(0, V, (M,), device="cuda")),
+                      ("zipf", torch.multinomial(1.0 / ranks, M, replacement=True).to("cuda"))):
+        dw = torch.randn(V, C, device="cuda").to(dtype)
+        ref = dw.double().index_add(0, idx, d.double())
+        row = {"distinct_tokens": int(idx.unique().numel()), "largest_run": int(torch.bincount(idx).max())}
+        torch._dynamo.reset()
+        unfused = torch.compile(lambda dw, idx, d: dw + torch.ops.aten.embedding_dense_backward(d, idx, V, -1, False))
+        out = unfused(dw, idx, d)
+        row["inductor_ms"] = _graph_ms(lambda: unfused(dw, idx, d))
+        row["inductor_rel_err"] = ((out.double() - ref).norm() / ref.norm()).item()
+        got = embedding.embedding_grad_into_(dw.clone(), idx, d)
+        row["rel_err"] = ((got.double() - ref).norm() / ref.norm()).item()
+        row["configs"] = {}
+        for config in [None] + EMBEDDING_CONFIGS:
+            key = "default " + str(embedding._CONFIG) if config is None else str(config)
+            target = dw.clone()
+            row["configs"][key] = _graph_ms(lambda: embedding.embedding_grad_into_(target, idx, d, config))
+        row["fused_ms"] = row["configs"]["default " + str(embedding._CONFIG)]
+        res[name] = row
+        best = min(row["configs"].items(), key=lambda kv: kv[1])
+        print(f"embedding gradient into the head's, {name} tokens ({row['distinct_tokens']} distinct, largest run "
+              f"{row['largest_run']}), graph replay: Inductor {row['inductor_ms']*1e3:.1f} us, in place "
+              f"{row['fused_ms']*1e3:.1f} us (fastest {best[0]} {best[1]*1e3:.1f} us); rel err {row['rel_err']:.1e} "
+              f"(Inductor's {row['inductor_rel_err']:.1e})", flush=True)
+    torch._dynamo.reset()
+    return res
+
+
 # Tile configurations (ROWS, BLOCK_M, num_warps) of layer_norm_backward timed beside its default.
 # (48, 4, 4) is one wave of 256 programs at GPT-2's 12288 rows on 132 multiprocessors (two fit on
 # each): 46.1 against 43.1 us for (32, 4, 4)'s wave and a half (record kernels-layer-norm-h200).
@@ -566,7 +613,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: matmul, fused, triton (TritonLinear fwd+bwd), gelu (GELU's backward), "
                         "merge (the attention gradients' head merge), layer (LayerNorm's backward), "
                         "grads (the gradient products on cuBLAS and each kernel; sm_90), partials (the last "
-                        "sums of the one-pass kernels' tables)")
+                        "sums of the one-pass kernels' tables), embedding (the tied embedding's gradient)")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -597,7 +644,8 @@ def main(argv=None) -> int:
              ("gelu_backward", bench_gelu_backward),
              ("merge_heads", bench_merge_heads),
              ("layer_norm_backward", bench_layer_norm_backward),
-             ("partials", bench_partials)]
+             ("partials", bench_partials),
+             ("embedding", bench_embedding_grad)]
     if cc == (9, 0):  # the stream-K kernel, and the ws kernel it is compared with, are Hopper's
         parts.append(("grads", bench_gradients))
     for name, run in parts:

@@ -45,11 +45,12 @@ REFERENCE_PEAK = PEAK_BF16["H200"]
 # cuda_graph: the whole step recorded once and replayed (TrainConfig.cuda_graph, mpgpt.graph_step).
 # optim16: the model kept in bf16 and trained by the fused 16-bit AdamW (TrainConfig.optim16).
 # fused_ln: each residual add with its LayerNorm, the backward in one Triton pass (GPT.set_fused_layer_norm).
+# fused_emb: the token embedding's gradient added into the output layer's in place (GPT.set_fused_embedding).
 # mlp_dw: the fused MLP's two weight gradients on that matmul kernel instead of cuBLAS (GPT.use_triton's
 # weight_grad_kernel).
 def _config(precision, scaler="none", compile=None, triton=False, bias=True, checkpointing=False, chunked_loss=0,
             attention="sdpa", clip=True, fused_loss=False, fused_clip=False, inductor=None, cuda_graph=False,
-            optim16=None, fused_ln=False, mlp_dw=None):
+            optim16=None, fused_ln=False, mlp_dw=None, fused_emb=False):
     spec = dict(precision=precision, scaler=scaler, compile=compile, triton=triton, bias=bias,
                 checkpointing=checkpointing, chunked_loss=chunked_loss, attention=attention, clip=clip,
                 fused_loss=fused_loss)
@@ -65,6 +66,8 @@ def _config(precision, scaler="none", compile=None, triton=False, bias=True, che
         spec["fused_ln"] = True
     if mlp_dw:
         spec["mlp_dw"] = mlp_dw
+    if fused_emb:
+        spec["fused_emb"] = True
     return spec
 
 
@@ -181,6 +184,13 @@ TRAIN_CONFIGS = {
     "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+fused-ln+step-graph+no-mix-order": _config(
         "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
         optim16="bf16-mantissa", triton="mlp", fused_ln=True),
+    # ... and the tied embedding's gradient added into the output layer's where it lies (kernels/embedding.py).
+    "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+fused-emb+step-graph+no-mix-order": _config(
+        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="bf16-mantissa",
+        triton="mlp+qkv", fused_ln=True, fused_emb=True),
+    "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+fused-ln+fused-emb+step-graph+no-mix-order": _config(
+        "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
+        optim16="bf16-mantissa", triton="mlp", fused_ln=True, fused_emb=True),
     # ... with the MLP's two weight gradients (1.09 waves of 128 x 128 tiles on 132 SMs) on the
     # stream-K kernel (kernels/streamk.py) instead of cuBLAS, with and without GPT-2's biases.
     "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+streamk-dw+step-graph+no-mix-order": _config(
@@ -348,6 +358,8 @@ def make_trainer(name, preset="gpt2", batch_size=12, block_size=None, device=Non
         model.set_fused_loss(True)
     if spec.get("fused_ln"):
         model.set_fused_layer_norm(True)
+    if spec.get("fused_emb"):
+        model.set_fused_embedding(True)
     data = dataset if dataset is not None else SyntheticTokens(model.config.vocab_size, batch_size,
                                                                model.config.block_size, device)
     return Trainer(cfg, model=model, dataset=data)

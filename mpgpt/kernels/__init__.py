@@ -26,6 +26,7 @@ The package, one file per idea:
     layernorm.py the residual add with its LayerNorm, the backward (with the weight and bias gradients) in one pass
     partials.py  the last sum of those one-pass kernels' partial-sum tables, rounded into the parameters' dtype
     cross_entropy.py  chapter 7's fused output layer loss: loss and logit gradients in one pass
+    embedding.py the tied embedding's gradient added into the output layer's, only the rows of tokens that occur
     adamw16.py   chapter 10's AdamW with 16-bit weights and state, one fused pass
     (the benchmark against cuBLAS is mpgpt/bench/kernels.py: python -m mpgpt.bench kernels)
 

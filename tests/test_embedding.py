@@ -1,0 +1,171 @@
+"""The tied embedding's gradient added into the output layer's (mpgpt.kernels.embedding): the kernels
+against float64 over runs of one token that span many tiles, the same bits on every run, untouched
+rows left as they were; and the model option against the unfused model, eager and traced."""
+import pytest
+import torch
+
+from mpgpt.kernels import env as kenv
+from mpgpt.model import GPT, GPTConfig
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter without a GPU
+
+
+def _kernels():
+    ok, why = kenv.kernels_available()
+    if not ok:
+        pytest.skip(why)
+    if DEVICE == "cpu" and not kenv.interpreting():
+        pytest.skip("CPU tensors run the kernels in Triton's interpreter, which is off where a GPU is")
+    from mpgpt.kernels import embedding
+
+    return embedding
+
+
+def _zipf_tokens(shape, V):
+    """Token ids as text has them: a few very frequent (runs of dozens after sorting), many rare."""
+    ranks = torch.arange(1, V + 1, dtype=torch.float64)
+    ids = torch.multinomial(1.0 / ranks, int(torch.tensor(shape).prod()), replacement=True)
+    return ids[torch.randperm(ids.numel())].view(shape)
+
+
+@pytest.mark.parametrize("config", [None, (4, 16, 1), (8, 32, 2)])
+@pytest.mark.parametrize("dw_dtype, d_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float16, torch.float32)])
+def test_the_rows_of_each_token_are_summed_and_added_into_its_row(config, dw_dtype, d_dtype):
+    """dW_head plus the embedding's gradient against float64. Tiles of 4 to 16 sorted positions make
+    the frequent tokens' runs span many tiles, so the walk back through the tiles' tails is
+    exercised. Bound: each touched row is an fp32 sum of at most M terms, rounded once into dw's
+    dtype: |error| <= u |exact| + M 2^-24 sum |terms|, with u dw's unit roundoff (2^-24 for fp32).
+    Rows of tokens that do not occur keep their bits."""
+    emb = _kernels()
+    if DEVICE == "cuda" and dw_dtype is torch.bfloat16 and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 kernels need sm_80")
+    V, C, shape = 97, 40, (3, 50)
+    idx = _zipf_tokens(shape, V)
+    idx.view(-1)[::4] = 7  # and one token at every fourth position: a run of at least 38
+    idx = idx.to(DEVICE)
+    d = torch.randn(*shape, C, device=DEVICE).to(d_dtype)
+    dw = torch.randn(V, C, device=DEVICE).to(dw_dtype)
+    before = dw.clone()
+    exact = dw.double().index_add(0, idx.reshape(-1), d.reshape(-1, C).double())
+    terms = dw.double().abs().index_add(0, idx.reshape(-1), d.reshape(-1, C).double().abs())
+    out = emb.embedding_grad_into_(dw, idx, d, config)
+    assert out is dw and dw.dtype is dw_dtype
+    u = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dw_dtype]
+    bound = u * exact.abs() + idx.numel() * 2.0**-24 * terms
+    assert ((dw.double() - exact).abs() <= bound).all()
+    counts = torch.bincount(idx.reshape(-1), minlength=V)
+    assert counts.max() > 2 * (config or emb._INTERPRET_CONFIG)[0]  # some run spans three tiles or more
+    untouched = counts == 0
+    assert untouched.any() and torch.equal(dw[untouched], before[untouched])
+    again = before.clone()
+    emb.embedding_grad_into_(again, idx, d, config)
+    assert torch.equal(again, dw)  # fixed order of sums: the same bits
+
+
+def test_bad_input_is_refused():
+    emb = _kernels()
+    dw, idx, d = torch.zeros(10, 4, device=DEVICE), torch.zeros(2, 3, dtype=torch.long, device=DEVICE), \
+        torch.zeros(2, 3, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="same C"):
+        emb.embedding_grad_into_(dw, idx, d[..., :3])
+    with pytest.raises(ValueError, match="integer token ids"):
+        emb.embedding_grad_into_(dw, idx.float(), d)
+    with pytest.raises(ValueError, match="contiguous"):
+        emb.embedding_grad_into_(torch.zeros(4, 10, device=DEVICE).t(), idx, d)
+    with pytest.raises(ValueError, match="exceeds"):
+        emb.tied_embedding(torch.zeros(1, 9, dtype=torch.long), torch.zeros(10, 4), torch.zeros(8, 4))
+
+
+def test_the_operator_passes_opcheck():
+    emb = _kernels()
+    dw, idx, d = torch.randn(30, 8, device=DEVICE), torch.randint(0, 30, (2, 5), device=DEVICE), \
+        torch.randn(2, 5, 8, device=DEVICE)
+    torch.library.opcheck(emb.embedding_grad_op, (dw, idx, d))
+
+
+def _model(vocab=120, **kw):
+    cfg = GPTConfig.preset("tiny", vocab_size=vocab, n_layer=1, n_embd=32, n_head=2, block_size=16, **kw)
+    return GPT(cfg).to(DEVICE)
+
+
+@pytest.mark.parametrize("loss", ["logits", "fused"])
+def test_the_model_option_gives_the_unfused_models_loss_and_gradients(loss, monkeypatch):
+    """fp32 model, eager: the output layer through the view, the embedding's gradient added by the
+    kernels (the interpreter here; forced on, as on a GPU), with the full logits or the fused loss,
+    and a sequence shorter than block_size (wpe's gradient is zero past it). Only the order of fp32
+    sums differs from the unfused model."""
+    emb = _kernels()
+    monkeypatch.setattr(emb, "_triton_pass", lambda t: True)
+    model = _model()
+    if loss == "fused":
+        model.set_fused_loss(True)
+    idx = _zipf_tokens((3, 12), 120).to(DEVICE)
+    tgt = torch.randint(0, 120, (3, 12), device=DEVICE)
+    _, ref = model(idx, tgt)
+    ref.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    _, got = model.set_fused_embedding(True)(idx, tgt)
+    got.backward()
+    assert model.fused_embedding is not None
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-7, msg=n)
+    assert model.transformer.wpe.weight.grad[12:].eq(0).all()
+    logits, _ = model(idx)
+    torch.testing.assert_close(logits, model.set_fused_embedding(False)(idx)[0], rtol=0, atol=0)
+
+
+def test_traced_it_is_one_graph_with_the_same_gradients(monkeypatch):
+    """torch.compile (backend aot_eager: Dynamo and AOTAutograd trace as for Inductor, then the graph
+    runs op by op) takes the view the Function returns and the in-place operator in one graph."""
+    emb = _kernels()
+    monkeypatch.setattr(emb, "_triton_pass", lambda t: True)
+    model = _model().set_fused_embedding(True)
+    idx, tgt = _zipf_tokens((2, 16), 120).to(DEVICE), torch.randint(0, 120, (2, 16), device=DEVICE)
+    _, ref = model(idx, tgt)
+    ref.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    _, got = compiled(idx, tgt)
+    got.backward()
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_the_option_refuses_an_untied_model_and_hooks():
+    _kernels()
+    model = _model()
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    with pytest.raises(RuntimeError, match="share one matrix"):
+        model.set_fused_embedding(True)
+    model = _model().set_fused_embedding(True)
+    handle = model.lm_head.register_forward_hook(lambda *a: None)
+    with pytest.raises(RuntimeError, match="hooks"):
+        model(torch.zeros(1, 4, dtype=torch.long, device=DEVICE))
+    handle.remove()
+    assert model.set_fused_embedding(False).fused_embedding is None
+
+
+def test_the_bench_rows_add_the_option_to_the_fastest_rows_and_train():
+    """The two fused-emb rows of the training benchmark are the fastest rows with and without biases
+    plus this option, and the trainer they build looks its input up through it and trains (CPU, no
+    compile, no recording: the benchmark on a GPU does both)."""
+    _kernels()
+    from mpgpt.bench.training import TRAIN_CONFIGS, make_trainer
+
+    for bias, mlp in (("", "triton-mlp-qkv"), ("-nobias", "triton-mlp")):
+        base = f"bf16+compile{bias}+fused-ce+optim16-mantissa+{mlp}+fused-ln+step-graph+no-mix-order"
+        row = base.replace("+fused-ln+", "+fused-ln+fused-emb+")
+        assert TRAIN_CONFIGS[row] == {**TRAIN_CONFIGS[base], "fused_emb": True}
+    trainer = make_trainer("bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+fused-emb+step-graph+"
+                           "no-mix-order", preset="tiny", batch_size=2, block_size=16, device="cpu", cuda_graph=False,
+                           compile=False, steps=2, warmup_steps=0)
+    assert trainer.model.fused_embedding is not None
+    wte = trainer.model.transformer.wte.weight.detach().clone()
+    trainer.run()
+    assert not torch.equal(trainer.model.transformer.wte.weight, wte) and len(trainer.history.loss) == 2
