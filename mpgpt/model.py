@@ -369,6 +369,12 @@ class GPT(nn.Module):
     def _tied_weight(self) -> torch.Tensor:
         """The matrix wte and lm_head share, for the fused embedding, which skips both modules' forward."""
         wte, head = self.transformer.wte, self.lm_head
+        odd = [type(m).__name__ for m, kind in ((wte, nn.Embedding), (self.transformer.wpe, nn.Embedding),
+                                                (head, nn.Linear)) if type(m) is not kind]
+        if odd:
+            raise RuntimeError(f"set_fused_embedding replaces the embeddings' and lm_head's forward, but the model "
+                               f"holds {odd[0]} in their place, whose own forward would not run; call "
+                               "set_fused_embedding(False)")
         if head.weight is not wte.weight:
             raise RuntimeError("set_fused_embedding adds the embedding's gradient into the output layer's, which "
                                "needs the two to share one matrix (lm_head.weight is transformer.wte.weight); "

@@ -145,7 +145,7 @@ def compile_embedding(cc: int, dtype: str, kernel: str) -> dict:
         signature |= dict(M="i32", C="i32")
     else:
         fn = embedding._add_runs_kernel
-        signature |= dict(dw_ptr=f"*{dtype}", M="i32", C="i32", stride_dw="i32")
+        signature |= dict(first_ptr="*i64", dw_ptr=f"*{dtype}", M="i32", C="i32", stride_dw="i32")
     constexprs = dict(R=R, CHUNK=chunk)
     signature |= {name: "constexpr" for name in constexprs}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)

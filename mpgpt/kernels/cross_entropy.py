@@ -23,10 +23,14 @@ gradient (a loss scale) are applied in fp32 in the backward pass, which only res
 A model held in bf16 (the trainer's 16-bit AdamW) takes W's gradient in bf16 in the end, and bf16
 has fp32's exponent range, so g / n loses nothing to underflow there. Where W and the compute
 dtype are bf16, the kernel therefore multiplies g by 1/n before rounding it (one rounding, as
-before), and cuBLAS writes g^T @ x in bf16 from its fp32 accumulator: for GPT-2 that gradient is
-77 MB instead of 154 MB, written once in the forward pass and read once in the backward pass, which
-then only multiplies it by the upstream gradient (exactly, when that is 1 or a power of two).
-grad_x stays fp32 (the hidden states may be fp32 under autocast; it is 16 times smaller).
+before), and cuBLAS writes g^T @ x in bf16: for GPT-2 that gradient is 77 MB instead of 154 MB,
+written once in the forward pass and read once in the backward pass, which then only multiplies
+it by the upstream gradient. Two roundings can join the one at the end, as in every bf16 product of
+the unfused model: cuBLAS may add split-K partial sums in bf16 (torch's default,
+torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction), and the upstream gradient
+rounds again unless it is 1 or a power of two (a loss divided by 3 accumulation steps is not).
+grad_x stays fp32 (the hidden states may be fp32 under autocast; it is a quarter of grad_w's fp32
+size).
 
 Rows whose target is -1 are ignored: no loss, a zero gradient row (-1 is the package's convention,
 as in GPT.forward; torch's F.cross_entropy defaults to -100, which here counts as out of range). A

@@ -16,6 +16,7 @@ the zero fill and the addition move about 540 MB, for at most 12,288 of the 50,3
 of tokens that occur:
 
     tokens, order = sort(idx)              each token's positions now form one run (stable: in order)
+    first = searchsorted(tokens, tokens[::R])   where the run of each tile's first token begins
     kernel 1, per tile of R sorted positions and CHUNK columns: a segmented scan sums each run's rows
              of d_x0 inside the tile in fp32; the tile's last partial sum goes into a small table
     kernel 2, the same scan again; at each run's last position, the run's sum (plus the table's
@@ -23,8 +24,9 @@ of tokens that occur:
              read and rounded once
 
 Every sum runs in a fixed order, so the gradient is the same from run to run (an atomic scatter is
-not). A frequent token's run may span many tiles; the second kernel walks back through the table
-for it, a few loads per tile it spans.
+not). A frequent token's run may span many tiles (in text the commonest tokens are a few per cent
+of all: dozens of tiles of 32); only the tile where it ends adds the earlier tiles' entries, whose
+indices `first` gives, so their loads do not wait on one another.
 
 The autograd Function `tied_embedding` returns the embedded input (token and position embeddings
 added, as the unfused model adds them) and the matrix itself, as a view, for the output layer to
@@ -88,24 +90,24 @@ def _run_tails_kernel(
 @triton.jit
 def _add_runs_kernel(
     d_ptr, order_ptr, tok_ptr, tail_ptr,   # as in _run_tails_kernel; tail_ptr now read
+    first_ptr,              # (tiles,) int64: the sorted position where each tile's first run begins
     dw_ptr,                 # (V, C) rows `stride_dw` apart: dW_head, updated in place
     M, C, stride_dw,
     R: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid_t, pid_c = tl.program_id(0), tl.program_id(1)
     pos, ok, tok, cols, col_ok, run_sum = _tile_runs(d_ptr, order_ptr, tok_ptr, M, C, pid_t, pid_c, R, CHUNK)
-    # The tile's first run may have begun in earlier tiles: add their tails, walking back while the
-    # run goes on across the tile boundary before them.
+    # The tile's first run may have begun in earlier tiles (tiles j0 .. pid_t - 1): where it also
+    # ends in this tile, add those tiles' tails. Their indices are known, so the loads do not wait
+    # on one another; a tile that a run only passes through writes nothing and adds nothing.
     start = pid_t * R
     first = tl.load(tok_ptr + start)
-    before = tl.load(tok_ptr + tl.maximum(start - 1, 0))
+    after = tl.load(tok_ptr + tl.minimum(start + R, M - 1))   # the next tile's first token
+    ends_here = (start + R >= M) | (after != first)             # sorted: the first run ends in this tile
+    j0 = tl.load(first_ptr + pid_t) // R
     carry = tl.zeros((CHUNK,), dtype=tl.float32)
-    go_on = (pid_t > 0) & (before == first)
-    j = pid_t - 1
-    while go_on:
+    for j in range(j0, tl.where(ends_here, pid_t, j0)):
         carry += tl.load(tail_ptr + j * C + cols, mask=col_ok, other=0.0)
-        go_on = (j > 0) & (tl.load(tok_ptr + tl.maximum(j * R - 1, 0)) == first)
-        j -= 1
     total = run_sum + tl.where((tok == first)[:, None], carry[None, :], 0.0)
     # A run's last position writes its token's row: each row of dW is written by one program only.
     tok_next = tl.load(tok_ptr + pos + 1, mask=pos + 1 < M, other=-1)
@@ -117,7 +119,7 @@ def _add_runs_kernel(
 
 # (R, CHUNK, num_warps): 32 sorted positions by 64 columns, 16 values a thread; compiled ahead of time
 # for sm_90 (Triton 3.6), the addition kernel takes 88 registers a thread, the tails kernel 64, no
-# spills (at 64 x 64 with 4 warps: 204). Not yet timed on a GPU; the kernel benchmark's part
+# spills (at 64 x 64 with 4 warps: 203). Not yet timed on a GPU; the kernel benchmark's part
 # "embedding" times it against Inductor's code and at other tiles. The interpreter runs one numpy op
 # per tile: small tiles make runs span several of them there.
 _CONFIG = (32, 64, 4)
@@ -159,12 +161,14 @@ def embedding_grad_into_(dw: Tensor, idx: Tensor, d: Tensor, config=None) -> Ten
         dw.copy_(wide)
         return dw
     tokens, order = torch.sort(idx.reshape(-1).to(torch.int32), stable=True)   # (M,) each
+    first = torch.searchsorted(tokens, tokens[::R].contiguous())   # (tiles,): where each tile's first token's run begins
     d2 = d.reshape(M, C).contiguous()
     tiles = triton.cdiv(M, R)
     tails = torch.empty((tiles, C), dtype=torch.float32, device=dw.device)
     grid = (tiles, triton.cdiv(C, chunk))
     _run_tails_kernel[grid](d2, order, tokens, tails, M, C, R=R, CHUNK=chunk, num_warps=warps)
-    _add_runs_kernel[grid](d2, order, tokens, tails, dw, M, C, dw.stride(0), R=R, CHUNK=chunk, num_warps=warps)
+    _add_runs_kernel[grid](d2, order, tokens, tails, first, dw, M, C, dw.stride(0), R=R, CHUNK=chunk,
+                           num_warps=warps)
     return dw
 
 
@@ -196,24 +200,26 @@ def _(dw, idx, d):
 class _TiedEmbeddingFunction(torch.autograd.Function):
     """(x0, w) = (wte[idx] + wpe[:T], wte as a view): the embedded input, and the tied matrix for the
     output layer. The backward pass gets both gradients of the matrix at once and adds the
-    embedding's into the output layer's."""
+    embedding's into the output layer's, in the tensor it receives: that assumes the view's only
+    consumer is the output layer, whose backward returns a new tensor (F.linear, the fused and the
+    chunked loss all do), so no other gradient shares it."""
 
     @staticmethod
     def forward(ctx, idx, wte, wpe):
         T = idx.shape[-1]
         x0 = F.embedding(idx, wte) + wpe[:T]                               # (B, T, C), as GPT.forward adds them
         ctx.save_for_backward(idx)
-        ctx.meta = (wte.shape, wpe.shape[0], wpe.dtype)
+        ctx.meta = (wpe.shape[0], wpe.dtype)
         return x0, wte.view_as(wte)
 
     @staticmethod
     def backward(ctx, d_x0, d_w):
         first_derivative_only("set_fused_embedding", "GPT.set_fused_embedding(False)")
         (idx,) = ctx.saved_tensors
-        w_shape, n_pos, wpe_dtype = ctx.meta
+        n_pos, wpe_dtype = ctx.meta
         # d_w comes from the output layer's backward alone (the view is used nowhere else), so it is
-        # added into where it lies; a zero gradient where the output layer was not used.
-        dw = d_w.contiguous() if d_w is not None else d_x0.new_zeros(w_shape)
+        # added into where it lies (autograd hands zeros where the output layer was not used).
+        dw = d_w.contiguous()
         _op(embedding_grad_op, embedding_grad_impl)(dw, idx, d_x0)
         T = idx.shape[-1]
         d_pos = d_x0.reshape(-1, T, d_x0.shape[-1]).float().sum(0)             # (T, C): summed over the batch
