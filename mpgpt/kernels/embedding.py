@@ -117,11 +117,12 @@ def _add_runs_kernel(
     tl.store(ptrs, (old + total).to(dw_ptr.dtype.element_ty), mask=mask)
 
 
-# (R, CHUNK, num_warps): 32 sorted positions by 64 columns, 16 values a thread; compiled ahead of time
-# for sm_90 (Triton 3.6), the addition kernel takes 88 registers a thread, the tails kernel 64, no
-# spills (at 64 x 64 with 4 warps: 203). Not yet timed on a GPU; the kernel benchmark's part
-# "embedding" times it against Inductor's code and at other tiles. The interpreter runs one numpy op
-# per tile: small tiles make runs span several of them there.
+# (R, CHUNK, num_warps): 32 sorted positions by 64 columns, 16 values a thread. Compiled ahead of time
+# for sm_90 (Triton 3.6) with the specialisations a launch at GPT-2's sizes gets (aligned pointers,
+# C divisible by 16), the addition kernel takes 56 registers a thread and the tails kernel 40, no
+# spills, 16-byte loads of each row. Not yet timed on a GPU; the kernel benchmark's part "embedding"
+# times it against Inductor's code and at other tiles. The interpreter runs one numpy op per tile:
+# small tiles make runs span several of them there.
 _CONFIG = (32, 64, 4)
 _INTERPRET_CONFIG = (16, 32, 1)
 

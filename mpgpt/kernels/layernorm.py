@@ -30,14 +30,13 @@ shared memory twice per iteration: 61.2 us, slower than Inductor (record kernels
 Whole rows live in registers, so the kernel suits GPT-2-sized rows (C in the hundreds or low
 thousands); much wider rows still compute correctly but spill.
 
-Whole rows also cost registers. At C = 768 a row is four chunks of 256 columns (a power of two),
-the last one all padding. With C a runtime argument, every mask is a runtime comparison and the
-padding chunk's values take registers like the others: 255 a thread and 400 bytes of spills
-(compiled ahead of time for sm_90 with Triton 3.6), so only two 4-warp programs fit on a
-multiprocessor, and the kernel moved its bytes at 1.75 TB/s, well below a copy's 4.3. C is
-therefore a compile-time constant (one compiled kernel per width): the compiler then knows which
-chunks are padding and drops them, 168 registers a thread and no spills, three programs per
-multiprocessor. (That version has not yet been timed on a GPU.) A second kernel (config method "two-pass") holds
+Whole rows also cost registers: 168 a thread at C = 768, no spills (compiled ahead of time for
+sm_90 with Triton 3.6, with the specialisations a launch at GPT-2's shapes gets: 16-byte aligned
+pointers, sizes divisible by 16), so three 4-warp programs fit on a multiprocessor; the kernel
+moves its bytes at 1.75 TB/s, well below a copy's 4.3. (Compiled without those specialisations,
+every load is a 2-byte one and the count reads 255 with spills, which is not what runs. Making C a
+compile-time constant, to drop the padding chunk of a 768-wide row, takes 179 registers with them,
+two programs per multiprocessor: not kept.) A second kernel (config method "two-pass") holds
 (BLOCK_M, 256) tiles only, 72 registers a thread: it first walks each row for its two sums, then
 the columns chunk by chunk, reading dy and x' a second time (from the L2 cache, if it still holds
 them). It is not the default: it has not yet been timed on a GPU.
@@ -70,8 +69,7 @@ def _layer_norm_backward_kernel(
     res_ptr,                # (M, C) row-major: dx'_res, read only if HAS_RES
     dx_ptr,                 # (M, C) row-major: dx', written
     part_ptr,               # (2, C, R) fp32: [0] dw's and [1] db's partial sum of column c over row group r
-    M, R,                   # rows, row groups (cdiv(M, ROWS))
-    C: tl.constexpr,        # columns: a compile-time constant, so the padding's chunks cost no registers
+    M, C, R,                # rows, columns, row groups (cdiv(M, ROWS))
     HAS_RES: tl.constexpr,
     ROWS: tl.constexpr,     # rows per program, a multiple of BLOCK_M
     BLOCK_M: tl.constexpr,  # rows per loop iteration
@@ -249,7 +247,7 @@ def _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres=None, config=Non
         _layer_norm_backward_two_pass_kernel[(R,)](*args, stat, M, C, R, HAS_RES=dres is not None, ROWS=rows,
                                                    BLOCK_M=block_m, CHUNK=chunk, num_warps=warps)
     else:
-        _layer_norm_backward_kernel[(R,)](*args, M, R, C=C, HAS_RES=dres is not None, ROWS=rows, BLOCK_M=block_m,
+        _layer_norm_backward_kernel[(R,)](*args, M, C, R, HAS_RES=dres is not None, ROWS=rows, BLOCK_M=block_m,
                                           CHUNK=chunk, NCHUNK=triton.next_power_of_2(triton.cdiv(C, chunk)),
                                           num_warps=warps)
     return dx, partials.sum_partials(part.view(2 * C, R), dwb_dtype).view(2, C)  # dw and db: one launch
