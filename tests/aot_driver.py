@@ -10,8 +10,8 @@ the compiled kernel needs, and which multiply instructions its PTX uses.
 
 A launch on a GPU compiles with specialisations this API leaves out unless given as `attrs`:
 Triton's launcher marks 16-byte aligned pointers and integer arguments divisible by 16, and turns
-an integer argument of 1 into a constant. Without them every load is a 2-byte one and register
-counts come out far higher (LayerNorm's backward: 255 and spills, against 168 with them). So a
+an integer argument of 1 into a constant. Without them the 16-bit loads are 2-byte scalars and
+register counts come out far higher (LayerNorm's backward: 255 and spills, against 168 with them). So a
 register count read from a compile here describes a launch only where the compile passes the
 launch's `attrs` (as compile_adamw16_many does).
 """

@@ -219,8 +219,10 @@ def bench_fused(kernels, M=12288, K=768, N=3072):
 
 # Tile configurations (ROWS, BLOCK_M, BLOCK_N, num_warps) of gelu_backward_bias timed beside its default.
 # The second line: rows a quarter to a third of GPT-2's c_fc wide, a few at a time. Compiled ahead of
-# time for sm_90 they take 56-93 registers a thread (no spills), against 185 at the default (64, 64,
-# 64, 4): four to nine programs per multiprocessor instead of two.
+# time for sm_90 with a launch's specialisations (Triton 3.6) they take 48-71 registers a thread, no
+# spills, against 72 at the default (64, 64, 64, 4): eight to ten programs per multiprocessor against
+# seven. (They were added to the sweep on counts of 56-93 against 185, from compiles without those
+# specialisations; they measured slower, record kernels-grads-h200.)
 GELU_BACKWARD_CONFIGS = [(128, 32, 128, 4), (128, 64, 64, 4), (256, 64, 64, 4), (128, 64, 32, 4),
                          (128, 32, 64, 4), (32, 32, 64, 4), (16, 16, 64, 4), (64, 32, 64, 2), (128, 128, 64, 8),
                          (128, 4, 256, 4), (64, 4, 256, 4), (128, 8, 256, 8), (64, 2, 512, 4), (256, 4, 512, 4),
@@ -416,11 +418,12 @@ def bench_embedding_grad(M=12288, V=50304, C=768, dtype=torch.bfloat16):
 
 
 # Tile configurations (ROWS, BLOCK_M, num_warps) of layer_norm_backward timed beside its default.
-# At GPT-2's 12288 rows (48, 4, 4) makes 256 programs and (32, 4, 4) 384; at 168 registers a thread
-# (compiled ahead of time for sm_90 with a launch's specialisations) three 4-warp programs fit on a
-# multiprocessor, 396 at once on 132: 46.1 against 43.1 us (record kernels-layer-norm-h200). The
-# "two-pass" kernel holds (BLOCK_M, 256) tiles instead of whole rows: 72 registers a thread, so up
-# to seven programs share a multiprocessor.
+# At GPT-2's 12288 rows (48, 4, 4) makes 256 programs and (32, 4, 4) 384. Compiled ahead of time for
+# sm_90 with a launch's specialisations (Triton 3.6), 16, 32 or 64 rows a program take 168 registers a
+# thread (three 4-warp programs per multiprocessor) and 24, 40, 48 or 56 rows 190 (two): 46.1 against
+# 43.1 us for (48, 4, 4) and (32, 4, 4) (record kernels-layer-norm-h200). The "two-pass" kernel holds
+# (BLOCK_M, 256) tiles instead of whole rows: 72 registers a thread, so up to seven programs share a
+# multiprocessor.
 LAYER_NORM_CONFIGS = [(48, 4, 4), (16, 4, 4), (64, 4, 4), (32, 4, 8),
                       (16, 4, 4, "two-pass"), (32, 4, 4, "two-pass"), (8, 4, 4, "two-pass"), (64, 4, 4, "two-pass"),
                       (16, 8, 8, "two-pass"), (16, 2, 2, "two-pass"), (32, 8, 4, "two-pass")]

@@ -34,9 +34,9 @@ Whole rows also cost registers: 168 a thread at C = 768, no spills (compiled ahe
 sm_90 with Triton 3.6, with the specialisations a launch at GPT-2's shapes gets: 16-byte aligned
 pointers, sizes divisible by 16), so three 4-warp programs fit on a multiprocessor; the kernel
 moves its bytes at 1.75 TB/s, well below a copy's 4.3. (Compiled without those specialisations,
-every load is a 2-byte one and the count reads 255 with spills, which is not what runs. Making C a
-compile-time constant, to drop the padding chunk of a 768-wide row, takes 179 registers with them,
-two programs per multiprocessor: not kept.) A second kernel (config method "two-pass") holds
+the bf16 loads are 2-byte scalars and the count reads 255 with spills, which is not what runs.
+Making C a compile-time constant, to drop the padding chunk of a 768-wide row, takes 179 registers
+with them (181 with an fp32 weight), two programs per multiprocessor: not kept.) A second kernel (config method "two-pass") holds
 (BLOCK_M, 256) tiles only, 72 registers a thread: it first walks each row for its two sums, then
 the columns chunk by chunk, reading dy and x' a second time (from the L2 cache, if it still holds
 them). It is not the default: it has not yet been timed on a GPU.
