@@ -68,10 +68,13 @@ def first_derivative_only(layer: str, off: str) -> None:
                            f"graph (create_graph=True) to differentiate twice; call {off} for higher-order gradients")
 
 
-def save_summed_grads(ctx, loss_sum, grad_x, grad_w, targets, x_dtype, w_dtype):
+def save_summed_grads(ctx, loss_sum, grad_x, grad_w, targets, x_dtype, w_dtype, n_valid=None):
     """For a loss whose forward pass already computed the gradients of the *summed* loss: keep them
-    and return the mean over the targets that are not -1 (shared with mpgpt.kernels.cross_entropy)."""
-    n_valid = (targets != -1).sum().clamp_min(1).to(loss_sum.dtype)
+    and return the mean over the targets that are not -1 (shared with mpgpt.kernels.cross_entropy).
+    ``n_valid``: that count as a tensor, where the caller has it already."""
+    if n_valid is None:
+        n_valid = (targets != -1).sum().clamp_min(1)
+    n_valid = n_valid.to(loss_sum.dtype)
     ctx.save_for_backward(grad_x, grad_w, n_valid)
     ctx.dtypes = (x_dtype, w_dtype)
     return loss_sum / n_valid

@@ -144,18 +144,25 @@ def test_the_model_option_gives_the_unfused_models_loss_and_gradients(loss, dtyp
     torch.testing.assert_close(logits, model.set_fused_embedding(False)(idx)[0], rtol=0, atol=0)
 
 
-def test_traced_it_is_one_graph_with_the_same_gradients(monkeypatch):
-    """torch.compile (backend aot_eager: Dynamo and AOTAutograd trace as for Inductor, then the graph
-    runs op by op) takes the view the Function returns and the in-place operator in one graph."""
-    emb = _kernels()
-    monkeypatch.setattr(emb, "_triton_pass", lambda t: True)
-    model = _model().set_fused_embedding(True)
+def _eager_run(model):
+    """Text-like tokens and random targets, and the eager loss and gradients of ``model`` on them
+    (the gradients then cleared, for a traced run to fill)."""
     idx, tgt = _zipf_tokens((2, 16), 120).to(DEVICE), torch.randint(0, 120, (2, 16), device=DEVICE)
     _, ref = model(idx, tgt)
     ref.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     torch._dynamo.reset()
+    return idx, tgt, ref, grads
+
+
+def test_traced_it_is_one_graph_with_the_same_gradients(monkeypatch):
+    """torch.compile (backend aot_eager: Dynamo and AOTAutograd trace as for Inductor, then the graph
+    runs op by op) takes the view the Function returns and the in-place operator in one graph."""
+    emb = _kernels()
+    monkeypatch.setattr(emb, "_triton_pass", lambda t: True)
+    model = _model().set_fused_embedding(True)
+    idx, tgt, ref, grads = _eager_run(model)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     _, got = compiled(idx, tgt)
     got.backward()
@@ -174,12 +181,7 @@ def test_inductor_adds_into_the_output_layers_gradient_buffer_itself(monkeypatch
     monkeypatch.setattr(emb, "_triton_pass", lambda t: False)  # torch's ops inside the operator: the
     # question here is what Inductor hands it
     model = _model().set_fused_embedding(True)
-    idx, tgt = _zipf_tokens((2, 16), 120).to(DEVICE), torch.randint(0, 120, (2, 16), device=DEVICE)
-    _, ref = model(idx, tgt)
-    ref.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    torch._dynamo.reset()
+    idx, tgt, _, grads = _eager_run(model)
     compiled = torch.compile(model, fullgraph=True)
     _, codes = run_and_get_code(lambda: compiled(idx, tgt)[1].backward())
     code = "\n".join(codes)

@@ -157,6 +157,17 @@ def launch_cases(variant: str = "bf16-mantissa", preset: str = "gpt2", device="c
     return opt, per_group, per_tensor
 
 
+def _replayed_ms(fn) -> float:
+    """fn recorded once as a CUDA graph (after a warm-up call that compiles and builds the tables
+    outside the recording) and timed by replaying it: the GPU's time, no host work."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return round(_median_ms(graph.replay), 4)
+
+
 def bench_launches(variant: str = "bf16-mantissa", preset: str = "gpt2") -> dict:
     """The two ways of launch_cases, each recorded as a CUDA graph (as the recorded training step
     runs it) and replayed under do_bench: the GPU's time for the optimizer, no host work."""
@@ -164,12 +175,7 @@ def bench_launches(variant: str = "bf16-mantissa", preset: str = "gpt2") -> dict
     res = {"variant": variant, "tensors": sum(len(g["params"]) for g in opt.param_groups),
            "groups": len(opt.param_groups)}
     for name, fn in (("per_group", per_group), ("per_tensor", per_tensor)):
-        fn()  # compiles, and builds the tables outside the recording
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        res[f"{name}_ms"] = round(_median_ms(graph.replay), 4)
+        res[f"{name}_ms"] = _replayed_ms(fn)
     res["speedup"] = round(res["per_tensor_ms"] / res["per_group_ms"], 3)
     print(f"{variant}: one launch per group ({res['groups']}) {res['per_group_ms'] * 1e3:.0f} us, one per tensor "
           f"({res['tensors']}) {res['per_tensor_ms'] * 1e3:.0f} us: {res['speedup']:.2f}x", flush=True)
@@ -177,12 +183,7 @@ def bench_launches(variant: str = "bf16-mantissa", preset: str = "gpt2") -> dict
     # same tables) against the trainer's torch path (total_norm: torch's multi-tensor norms).
     grads = [p.grad for g in opt.param_groups for p in g["params"]]
     for name, fn in (("norm_per_group", opt.grad_norm), ("norm_torch", lambda: total_norm(grads))):
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        res[f"{name}_ms"] = round(_median_ms(graph.replay), 4)
+        res[f"{name}_ms"] = _replayed_ms(fn)
     res["norm_speedup"] = round(res["norm_torch_ms"] / res["norm_per_group_ms"], 3)
     print(f"{variant}: the gradients' norm in a launch per group {res['norm_per_group_ms'] * 1e3:.0f} us, "
           f"torch's multi-tensor norm {res['norm_torch_ms'] * 1e3:.0f} us: {res['norm_speedup']:.2f}x", flush=True)

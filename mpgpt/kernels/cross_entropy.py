@@ -46,6 +46,8 @@ torch rounds it into the logits (round to nearest even, as a GPU store does).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -170,22 +172,23 @@ def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
 
 @torch.library.custom_op("mpgpt::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_op(x: Tensor, w: Tensor, targets: Tensor, compute_grad: bool,
-                            mean_grads: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                            grad_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Summed cross-entropy of ``x @ w.T`` and, with ``compute_grad``, its gradients.
 
     x (N, C) and w (V, C) in the compute dtype, targets (N,) int64 with -1 = ignore. Returns
     (loss_sum: fp32 scalar, grad_x: (N, C) fp32, grad_w: (V, C) fp32), the gradients of the *sum*;
     without ``compute_grad`` the two gradients are empty and their GEMMs are skipped. With
-    ``mean_grads`` (bf16 inputs only) the gradients are those of the *mean* over the targets that
-    are not -1, and grad_w comes in bf16: the kernel scales g by 1/n before rounding it, and cuBLAS
-    writes that product in bf16 (the module docstring says when and why)."""
+    ``grad_scale`` (1/n as a one-element fp32 device tensor, n the targets that are not -1; bf16
+    inputs only) the gradients are those of the *mean*, and grad_w comes in bf16: the kernel scales
+    g by it before rounding it, and cuBLAS writes that product in bf16 (the module docstring says
+    when and why)."""
+    mean_grads = grad_scale is not None
     if mean_grads and (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16):
-        raise ValueError(f"mean_grads needs bf16 x and w (fp16's range loses g / n), got {x.dtype} and {w.dtype}")
+        raise ValueError(f"the mean's gradients (grad_scale) need bf16 x and w (fp16's range loses g / n), got "
+                         f"{x.dtype} and {w.dtype}")
     logits = torch.mm(x, w.t())                                          # (N, V), compute dtype
-    scale = None
-    if compute_grad and mean_grads:
-        scale = 1.0 / (targets != -1).sum().clamp_min(1).to(torch.float32).reshape(1)   # on the device: no sync
-    loss_sum = cross_entropy_rows_(logits, targets, write_grad=compute_grad, grad_scale=scale).sum()
+    loss_sum = cross_entropy_rows_(logits, targets, write_grad=compute_grad,
+                                   grad_scale=grad_scale if compute_grad else None).sum()
     w_grad_dtype = torch.bfloat16 if mean_grads else torch.float32
     if not compute_grad:
         return loss_sum, x.new_empty(0, dtype=torch.float32), w.new_empty(0, dtype=w_grad_dtype)
@@ -194,9 +197,9 @@ def linear_cross_entropy_op(x: Tensor, w: Tensor, targets: Tensor, compute_grad:
 
 
 @linear_cross_entropy_op.register_fake
-def _(x, w, targets, compute_grad, mean_grads=False):
+def _(x, w, targets, compute_grad, grad_scale=None):
     loss_sum = x.new_empty((), dtype=torch.float32)
-    w_grad_dtype = torch.bfloat16 if mean_grads else torch.float32
+    w_grad_dtype = torch.bfloat16 if grad_scale is not None else torch.float32
     if not compute_grad:
         return loss_sum, x.new_empty(0, dtype=torch.float32), w.new_empty(0, dtype=w_grad_dtype)
     return loss_sum, x.new_empty(x.shape, dtype=torch.float32), w.new_empty(w.shape, dtype=w_grad_dtype)
@@ -207,9 +210,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x, weight, targets, compute_dtype):
         # x (N, C), weight (V, C), targets (N,) with -1 for "ignore"
         ctx.mean_grads = weight.dtype == compute_dtype == torch.bfloat16  # a model held in bf16
+        n_valid = (targets != -1).sum().clamp_min(1).to(torch.float32)    # on the device: no sync
+        scale = (1.0 / n_valid).reshape(1) if ctx.mean_grads else None
         loss_sum, grad_x, grad_w = linear_cross_entropy_op(x.to(compute_dtype), weight.to(compute_dtype), targets, True,
-                                                           ctx.mean_grads)
-        return save_summed_grads(ctx, loss_sum, grad_x, grad_w, targets, x.dtype, weight.dtype)
+                                                           scale)
+        return save_summed_grads(ctx, loss_sum, grad_x, grad_w, targets, x.dtype, weight.dtype, n_valid)
 
     @staticmethod
     def backward(ctx, grad_out):
