@@ -115,9 +115,11 @@ def test_the_model_option_gives_the_unfused_models_loss_and_gradients(loss, dtyp
     interpreter here; forced on, as on a GPU), with the full logits or the fused loss, and a
     sequence shorter than block_size (wpe's gradient is zero past it). For an fp32 model only the
     order of fp32 sums differs from the unfused model. For a model held in bf16 (the 16-bit AdamW's)
-    the unfused model rounds the two gradients of the tied matrix to bf16 before adding them, this
-    one rounds the sum once: the matrix's gradient agrees to within two bf16 roundings of each
-    element (2^-7 relative), every other gradient bit for bit or as closely."""
+    the unfused model rounds the two gradients of the tied matrix to bf16 before adding them, and on
+    the CPU its embedding backward adds a token's k rows in bf16, one rounding each; this one rounds
+    the sum once. So a row of the matrix's gradient agrees to within k + 2 roundings of the largest
+    gradient (2^-9 each) plus 2^-7 of its own value; dropping the embedding's part breaks that bound
+    (checked over 150 seeds), and every other gradient agrees to within 2^-7."""
     emb = _kernels()
     monkeypatch.setattr(emb, "_triton_pass", lambda t: True)
     model = _model().to(dtype)
@@ -137,8 +139,13 @@ def test_the_model_option_gives_the_unfused_models_loss_and_gradients(loss, dtyp
         if dtype is torch.float32:
             torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-7, msg=n)
         else:
-            scale = grads[n].float().abs().max().item()
-            torch.testing.assert_close(p.grad.float(), grads[n].float(), rtol=2.0**-7, atol=2.0**-9 * scale, msg=n)
+            want = grads[n].float()
+            scale = want.abs().max().item()
+            k = 0
+            if n == "transformer.wte.weight":  # rows summed over k occurrences of their token
+                k = torch.bincount(idx.reshape(-1).cpu(), minlength=want.shape[0]).float()[:, None].to(DEVICE)
+            bound = 2.0**-7 * want.abs() + (k + 2) * 2.0**-9 * scale
+            assert ((p.grad.float() - want).abs() <= bound).all(), n
     assert model.transformer.wpe.weight.grad[12:].eq(0).all()
     logits, _ = model(idx)
     torch.testing.assert_close(logits, model.set_fused_embedding(False)(idx)[0], rtol=0, atol=0)
@@ -272,9 +279,9 @@ def test_gpu_compiled_and_recorded_it_trains_like_the_unfused_model():
 @pytest.mark.sm80
 def test_gpu_compiled_the_tied_matrixs_gradient_is_the_unfused_models():
     """A model held in bf16 with the fused loss, compiled by Inductor with the option, against the
-    same model eager without it: the tied matrix's gradient within two bf16 roundings of each
-    element (the unfused model rounds the two gradients before adding them; cuBLAS's own split-K
-    sums may differ between the two graphs), on text-like tokens whose long runs span many tiles."""
+    same model eager without it: the tied matrix's gradient within the CPU test's bound (the unfused
+    model rounds the two gradients before adding them; cuBLAS's own split-K sums may differ between
+    the two graphs), on text-like tokens whose long runs span many tiles."""
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("tiny", vocab_size=512, n_layer=2, n_embd=128, n_head=4, block_size=256))
     model = model.to("cuda", torch.bfloat16).set_fused_loss(True)
@@ -288,5 +295,6 @@ def test_gpu_compiled_the_tied_matrixs_gradient_is_the_unfused_models():
     got.backward()
     have = model.transformer.wte.weight.grad.float()
     scale = want.abs().max().item()
-    torch.testing.assert_close(have, want, rtol=2.0**-7, atol=2.0**-9 * scale)
+    k = torch.bincount(idx.reshape(-1), minlength=want.shape[0]).float()[:, None]  # as in the CPU test's bound
+    assert ((have - want).abs() <= 2.0**-7 * want.abs() + (k + 2) * 2.0**-9 * scale).all()
     torch._dynamo.reset()
