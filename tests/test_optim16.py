@@ -318,6 +318,16 @@ def _kernel():
     return adamw16_fused
 
 
+def _kernel_on(device):
+    """Skip unless the fused kernel can run on ``device``: a GPU, or the CPU through Triton's
+    interpreter (which is off where a GPU is)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    if device == "cpu" and not kenv.interpreting():
+        pytest.skip("CPU tensors run the kernel in Triton's interpreter, which is off where a GPU is")
+    _kernel()
+
+
 def _same(a, b):
     view = (lambda t: t.view(torch.int16)) if a.dtype == torch.bfloat16 else (lambda t: t)
     return torch.equal(view(a), view(b))
@@ -471,11 +481,7 @@ def test_the_fused_optimizer_equals_adamw16_bit_for_bit(variant, device, shapes,
     in a table of addresses: over a few steps, one of them clipped and one with a parameter that
     has no gradient, its weights and state are AdamW16's, bit for bit (interpreter on the CPU; the
     GPU kernel is built without FMA contraction, so it too rounds exactly as the reference)."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no GPU")
-    if device == "cpu" and not kenv.interpreting():
-        pytest.skip("CPU tensors run the kernel in Triton's interpreter, which is off where a GPU is")
-    _kernel()
+    _kernel_on(device)
     from mpgpt.kernels import adamw16
     from mpgpt.kernels.adamw16 import FusedAdamW16
 
@@ -632,11 +638,7 @@ def test_the_fused_gradient_norm_is_the_norm_of_every_gradient(shapes, grad_dtyp
     once and added in a tree, are within a few 1e-7 of the exact sum; 1e-6 is far below a mistake
     (a block counted twice or left out moves the norm by percents). Run twice, the same bits; and
     a group whose gradients differ in dtype falls back to torch's per-tensor norms."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no GPU")
-    if device == "cpu" and not kenv.interpreting():
-        pytest.skip("CPU tensors run the kernel in Triton's interpreter, which is off where a GPU is")
-    _kernel()
+    _kernel_on(device)
     from mpgpt.kernels import adamw16
     from mpgpt.kernels.adamw16 import FusedAdamW16
 
