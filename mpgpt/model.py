@@ -553,7 +553,8 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------------------ chapter 6
 
-    def use_triton(self, enable: bool = True, layers: str = "all", weight_grad_kernel: str = "cublas") -> "GPT":
+    def use_triton(self, enable: bool = True, layers: str = "all", weight_grad_kernel: str = "cublas",
+                   gelu_backward: str = "pass") -> "GPT":
         """Swap the blocks' nn.Linear layers for Triton-kernel TritonLinear layers (or back).
 
         c_attn, attn.c_proj and mlp.c_proj become TritonLinear; mlp.c_fc becomes a TritonLinear
@@ -567,7 +568,9 @@ class GPT(nn.Module):
         ``layers="mlp+qkv"`` adds ``mpgpt.kernels.qkv.qkv_heads`` to each attention layer: c_attn
         as before, with its backward's head merge and bias gradient in one Triton pass.
         ``weight_grad_kernel`` (the fused MLP only): "cublas", or a kernel of
-        ``mpgpt.kernels.matmul`` for the MLP's two weight gradients ("streamk"). The new
+        ``mpgpt.kernels.matmul`` for the MLP's two weight gradients ("streamk"). ``gelu_backward``
+        (the fused MLP only): "pass" (GELU's backward in its own Triton pass after cuBLAS's
+        dOut W_proj) or "epilogue" (in that product's epilogue, one launch; sm_90). The new
         layers share the very same Parameter objects, so an optimizer built before the swap keeps
         working and the state_dict keys do not change. enable=False swaps back (every form).
         Returns self.
@@ -575,21 +578,23 @@ class GPT(nn.Module):
         if layers not in ("all", "gelu", "mlp", "mlp+qkv"):
             raise ValueError(f"layers must be 'all', 'gelu' (only mlp.c_fc), 'mlp' (the fused MLP) or 'mlp+qkv' "
                              f"(and the fused attention input), got {layers!r}")
-        if weight_grad_kernel != "cublas" and not layers.startswith("mlp"):
-            raise ValueError(f"weight_grad_kernel applies to the fused MLP (layers='mlp' or 'mlp+qkv'), not "
-                             f"layers={layers!r}; TritonLinear takes its kernels from mpgpt.kernels.linear")
         from mpgpt.kernels import TritonLinear  # imported here: Triton is optional for chapters 1-5
-        from mpgpt.kernels.mlp import check_weight_grad_kernel, gelu_mlp
+        from mpgpt.kernels.mlp import check_gelu_backward, check_weight_grad_kernel, gelu_mlp
         from mpgpt.kernels.qkv import qkv_heads
         check_weight_grad_kernel(weight_grad_kernel)
+        check_gelu_backward(gelu_backward)
+        options = {k: v for k, v, default in (("weight_grad_kernel", weight_grad_kernel, "cublas"),
+                                              ("gelu_backward", gelu_backward, "pass")) if v != default}
+        if options and not layers.startswith("mlp"):
+            raise ValueError(f"{', '.join(options)}: applies to the fused MLP (layers='mlp' or 'mlp+qkv'), not "
+                             f"layers={layers!r}; TritonLinear takes its kernels from mpgpt.kernels.linear")
 
         fused = enable and layers.startswith("mlp")
         for block in self.transformer.h:
             attn, mlp = block.attn, block.mlp
             mlp.fused = None
             if fused:
-                mlp.fused = gelu_mlp if weight_grad_kernel == "cublas" else \
-                    functools.partial(gelu_mlp, weight_grad_kernel=weight_grad_kernel)
+                mlp.fused = functools.partial(gelu_mlp, **options) if options else gelu_mlp
             attn.fused_qkv = qkv_heads if enable and layers == "mlp+qkv" else None
             if enable and not fused:
                 plain = ((attn, "c_attn"), (attn, "c_proj"), (mlp, "c_proj")) if layers == "all" else ()

@@ -223,7 +223,8 @@ class _Sm90Driver:
 
 def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False) -> dict:
     """The two warp-specialised Gluon kernels (sm_90): ws.matmul_ws_kernel in bf16 with the given
-    epilogue (0: a bias; 1: a bias, then Z and gelu(Z) stored), B read as w.t() or row-major, and
+    epilogue (0: a bias; 1: a bias, then Z and gelu(Z) stored; 2: GELU's backward with the column
+    sums), B read as w.t() or row-major, and
     fp8_ws.fp8_ws_kernel promoting, with rowwise scales, for a 4096^3 product (descriptors of CPU
     tensors: only their shapes, strides and alignment matter here)."""
     import torch
@@ -247,7 +248,7 @@ def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False) -> 
         b = a if row_major_b else a.t()  # row-major (K, N), or w.t() for a row-major weight w, as nn.Linear has
         descs = [TensorDescriptor.from_tensor(t, box, layout)
                  for t, (box, layout) in zip(ws.ws_tensors(a, b, a), ws._layouts7(torch.bfloat16, row_major_b))]
-        compiled = ws.matmul_ws_kernel.warmup(*descs, a[0], n, n, n, HAS_BIAS=True,
+        compiled = ws.matmul_ws_kernel.warmup(*descs, a[0], a, torch.empty(n, 32), n, n, n, HAS_BIAS=True,
                                               EPILOGUE=epilogue, B_ROW_MAJOR=row_major_b, GROUP_M=ws.GROUP_M,
                                               STAGES=ws.STAGES,
                                               num_warps=ws.NUM_WARPS, grid=(132,))
@@ -294,6 +295,8 @@ def main(targets) -> dict:
                                **attempt(compile_gluon, "ws", 1)})
         out["results"].append({"cc": 90, "kernel": "ws_row_major_b", "dtype": "bf16", "config": "fixed",
                                **attempt(compile_gluon, "ws", 0, True)})
+        out["results"].append({"cc": 90, "kernel": "ws_gelu_backward", "dtype": "bf16", "config": "fixed",
+                               **attempt(compile_gluon, "ws", 2, True)})
     # The one-launch 16-bit AdamW, on a T4 and on Hopper.
     for cc in (75, 90):
         for aligned in (True, False):

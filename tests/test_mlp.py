@@ -171,6 +171,19 @@ def test_gelu_backward_operator_passes_torch_opcheck(path, monkeypatch):
     assert rel_err(db32, dz.double().sum(0)) < 1e-2  # dz is rounded to bf16; db sums it unrounded
 
 
+def test_the_product_with_gelus_backward_is_one_operator():
+    """mpgpt::product_gelu_backward, (dOut W_proj) * gelu'(Z) and its column sums (the "epilogue"
+    form of the MLP's backward): opcheck (schema, fake implementation, no aliasing) with the bias
+    gradient in fp32 and bf16 and without it, and off sm_90 exactly the product followed by the
+    separate operator."""
+    g, w, z = (torch.randn(*s, device=DEVICE).bfloat16() for s in ((40, 16), (16, 24), (40, 24)))
+    for with_bias, db_dtype in ((True, torch.float32), (True, torch.bfloat16), (False, torch.bfloat16)):
+        torch.library.opcheck(mlp.product_gelu_backward_op, (g, w, z, with_bias, db_dtype))
+        got = mlp.product_gelu_backward_impl(g, w, z, with_bias, db_dtype)
+        want = mlp.gelu_backward_impl(g @ w, z, with_bias, db_dtype)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_the_operator_returns_gelu_and_its_input():
     """gelu_linear (either branch): (gelu(z), z) for z = x @ w.T + b."""
     torch.manual_seed(3)
@@ -219,6 +232,14 @@ def test_use_triton_mlp_keeps_the_parameters_and_the_gradients():
         model.use_triton(layers="all", weight_grad_kernel="streamk")
     with pytest.raises(ValueError, match="must be one of"):
         model.use_triton(layers="mlp", weight_grad_kernel="fast")
+    # ... and so does where GELU's backward runs.
+    model.use_triton(layers="mlp", gelu_backward="epilogue")
+    assert all(block.mlp.fused.keywords == {"gelu_backward": "epilogue"} for block in model.transformer.h)
+    assert_same_loss_and_gradients(ref, model, DEVICE)
+    with pytest.raises(ValueError, match="gelu_backward: applies to the fused MLP"):
+        model.use_triton(layers="gelu", gelu_backward="epilogue")
+    with pytest.raises(ValueError, match="gelu_backward must be one of"):
+        model.use_triton(layers="mlp", gelu_backward="fused")
 
 
 def test_the_fused_mlp_compiles_into_one_graph():
@@ -237,6 +258,13 @@ def test_the_fused_mlp_compiles_into_one_graph():
     assert "mpgpt.gelu_linear" in forward_code
     # ... and GELU's backward with the bias gradient is one node of the backward graph too
     assert "mpgpt.gelu_backward_bias" in backward_code
+    # With GELU's backward in the product's epilogue: that product and the pass are one node.
+    def step_epi(x, w_fc, b_fc, w_proj, b_proj):
+        return mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, gelu_backward="epilogue").float().square().sum()
+    for t in leaves:
+        t.grad = None
+    _, backward_code = assert_compiles_like_eager(step_epi, leaves, leaves)
+    assert "mpgpt.product_gelu_backward" in backward_code and "mpgpt.gelu_backward_bias" not in backward_code
     if env.TRITON_IMPORT_ERROR is None:  # the weight gradients on stream-K: two more operator nodes
         def step_sk(x, w_fc, b_fc, w_proj, b_proj):
             return mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, weight_grad_kernel="streamk").float().square().sum()
@@ -298,9 +326,44 @@ def test_gpu_gelu_epilogue_writes_z_and_gelu_z(use_bias):
 
 
 @pytest.mark.sm80
-def test_gpu_fused_mlp_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gpu_gelu_backward_epilogue_gives_the_separate_passes_gradients(with_bias):
+    """dZ = (dOut W_proj) * gelu'(Z) and the bias gradient from one launch (ws.gelu_backward_fused),
+    against float64 on the same bf16 inputs, at shapes with edges (tiles past M and N). Element by
+    element dZ may differ by two bf16 roundings (of dH, as cuBLAS rounds it, and of dZ: 2^-7
+    relative together) and dH's fp32 accumulation (K 2^-24 sum|g w|) times |gelu'(Z)|; gelu' itself
+    is evaluated in fp32 (exp, and a division within 2 ulp: about 1e-6 relative). The bias gradient
+    sums the fp32 dZ, whose error is the dH rounding alone, so it lies within the sum of those bounds
+    over the column plus fp32's summing error (M 2^-24 sum|dZ|). A tile's partial sum lost or put in
+    another column would break it at the shapes with few rows (M = 1000: the bound is about 2 % of
+    a column's sum of |dZ|, a tile's part about 13 %)."""
+    _ws_or_skip()
+    for M, K, N in SHAPES:
+        w = (torch.randn(K, N, device="cuda") / math.sqrt(K)).bfloat16()
+        for _ in range(2):  # the first launch, then the lean path's repeat on fresh inputs
+            g = torch.randn(M, K, device="cuda").bfloat16()
+            z = (1.5 * torch.randn(M, N, device="cuda")).bfloat16()
+            assert ws.gelu_backward_eligible(g, w, z)
+            dz, db = ws.gelu_backward_fused(g, w, z, with_bias, torch.float32)
+            torch.cuda.synchronize()
+            dh = g.double() @ w.double()
+            gp = torch.ops.aten.gelu_backward(torch.ones_like(dh), z.double(), approximate="tanh")
+            ref = dh * gp
+            acc = K * 2**-24 * (g.double().abs() @ w.double().abs()) * gp.abs()
+            assert ((dz.double() - ref).abs() <= 2**-7 * ref.abs() + acc + 1e-6 * ref.abs()).all(), (M, K, N)
+            if not with_bias:
+                assert db.numel() == 0
+                continue
+            col = (2**-8 * ref.abs() + acc + 1e-6 * ref.abs()).sum(0) + M * 2**-24 * ref.abs().sum(0)
+            assert ((db.double() - ref.sum(0)).abs() <= col).all(), (M, K, N)
+
+
+@pytest.mark.sm80
+@pytest.mark.parametrize("gelu_backward", mlp.GELU_BACKWARDS)
+def test_gpu_fused_mlp_replays_in_a_cuda_graph(gelu_backward):
     """The lean launch path passes new descriptors each call; recorded in a CUDA graph, a replay on
-    new inputs (copied into the recorded buffers) must give what an eager call gives."""
+    new inputs (copied into the recorded buffers) must give what an eager call gives, with GELU's
+    backward as its own pass or in the product's epilogue."""
     _ws_or_skip()
     torch.manual_seed(6)
     w_fc, b_fc, w_proj, b_proj = params(768, torch.bfloat16, device="cuda")
@@ -309,7 +372,7 @@ def test_gpu_fused_mlp_replays_in_a_cuda_graph():
     def step():
         for t in (x, w_fc, b_fc, w_proj, b_proj):
             t.grad = None
-        mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj).float().square().mean().backward()
+        mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, gelu_backward=gelu_backward).float().square().mean().backward()
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

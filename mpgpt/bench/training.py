@@ -47,10 +47,11 @@ REFERENCE_PEAK = PEAK_BF16["H200"]
 # fused_ln: each residual add with its LayerNorm, the backward in one Triton pass (GPT.set_fused_layer_norm).
 # fused_emb: the token embedding's gradient added into the output layer's in place (GPT.set_fused_embedding).
 # mlp_dw: the fused MLP's two weight gradients on that matmul kernel instead of cuBLAS (GPT.use_triton's
-# weight_grad_kernel).
+# weight_grad_kernel). gelu_epilogue: the fused MLP's GELU backward in the epilogue of dOut W_proj
+# (GPT.use_triton's gelu_backward="epilogue").
 def _config(precision, scaler="none", compile=None, triton=False, bias=True, checkpointing=False, chunked_loss=0,
             attention="sdpa", clip=True, fused_loss=False, fused_clip=False, inductor=None, cuda_graph=False,
-            optim16=None, fused_ln=False, mlp_dw=None, fused_emb=False):
+            optim16=None, fused_ln=False, mlp_dw=None, fused_emb=False, gelu_epilogue=False):
     spec = dict(precision=precision, scaler=scaler, compile=compile, triton=triton, bias=bias,
                 checkpointing=checkpointing, chunked_loss=chunked_loss, attention=attention, clip=clip,
                 fused_loss=fused_loss)
@@ -68,6 +69,8 @@ def _config(precision, scaler="none", compile=None, triton=False, bias=True, che
         spec["mlp_dw"] = mlp_dw
     if fused_emb:
         spec["fused_emb"] = True
+    if gelu_epilogue:
+        spec["gelu_epilogue"] = True
     return spec
 
 
@@ -191,6 +194,13 @@ TRAIN_CONFIGS = {
     "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+fused-ln+fused-emb+step-graph+no-mix-order": _config(
         "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
         optim16="bf16-mantissa", triton="mlp", fused_ln=True, fused_emb=True),
+    # ... and GELU's backward in the epilogue of the MLP's dOut W_proj (kernels/ws.py, EPILOGUE 2).
+    "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+fused-emb+gelu-epilogue+step-graph+no-mix-order":
+        _config("bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
+                optim16="bf16-mantissa", triton="mlp+qkv", fused_ln=True, fused_emb=True, gelu_epilogue=True),
+    "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+fused-ln+fused-emb+gelu-epilogue+step-graph+no-mix-order":
+        _config("bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
+                optim16="bf16-mantissa", triton="mlp", fused_ln=True, fused_emb=True, gelu_epilogue=True),
     # ... with the MLP's two weight gradients (1.09 waves of 128 x 128 tiles on 132 SMs) on the
     # stream-K kernel (kernels/streamk.py) instead of cuBLAS, with and without GPT-2's biases.
     "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+streamk-dw+step-graph+no-mix-order": _config(
@@ -349,7 +359,8 @@ def make_trainer(name, preset="gpt2", batch_size=12, block_size=None, device=Non
     model = GPT(GPTConfig.preset(preset, bias=spec["bias"], attention=spec["attention"], **overrides))
     if spec["triton"]:
         model.use_triton(True, layers=spec["triton"] if isinstance(spec["triton"], str) else "all",
-                         weight_grad_kernel=spec.get("mlp_dw", "cublas"))
+                         weight_grad_kernel=spec.get("mlp_dw", "cublas"),
+                         gelu_backward="epilogue" if spec.get("gelu_epilogue") else "pass")
     if checkpointing or spec["checkpointing"]:
         model.set_activation_checkpointing(True)
     if spec["chunked_loss"]:

@@ -11,7 +11,8 @@ GPT-2's c_fc shape (95.9 against 92.5 us, do_bench on the H200):
     forward    Z = x W_fc^T + b_fc, Y = gelu(Z)      one launch; the epilogue writes Z, then Y
                out = Y W_proj^T + b_proj             cuBLAS (torch)
     backward   dH = dOut W_proj                        cuBLAS
-               dZ = dH * gelu'(Z), db_fc = sum_rows dZ  one Triton pass (gelu.py) on a GPU
+               dZ = dH * gelu'(Z), db_fc = sum_rows dZ  one Triton pass (gelu.py) on a GPU; or both
+                                                        lines in one launch (gelu_backward="epilogue")
                the weight gradients and dx              cuBLAS (the weight gradients: or, with
                                                         weight_grad_kernel="streamk", streamk.py)
 
@@ -22,12 +23,14 @@ the H200 (record kernels-gelu-backward-h200, at the tiles gelu.py now uses; the 
 ran an earlier default, 78.5 us). On a CPU, or without Triton, the same two lines
 run as torch ops.
 
-GELU's backward stays out of the matmul on purpose. Fused into the epilogue of dOut W_proj (as
-llm.c does), with the bias gradient's column sums, it made that product take 183.6 us on the H200
-against 93.3 us without it: no faster than the product followed by the separate passes (185.7
-us). In this kernel the epilogue runs while the tensor cores wait, and gelu' costs about fifteen
-fp32 operations per element (benchmarks/NOTES-train.md has the measurements). The memory kept
-for the backward pass is what the unfused module keeps: x, Z and Y.
+GELU's backward can also go into the epilogue of dOut W_proj, as llm.c does (gelu_backward=
+"epilogue": `product_gelu_backward`, EPILOGUE 2 of ws.py). The first try, with the epilogue run
+by the MMA warps themselves, made that product take 183.6 us on the H200 against 93.3 us without
+it: no faster than the product followed by the separate passes (185.7 us), because the tensor
+cores waited while gelu' (about fifteen fp32 operations per element) ran. The form here hands each
+tile of dH to a partition of four other warps, as the forward's GELU epilogue does, so that gelu'
+and the column sums run beside the next tile's MMAs (benchmarks/NOTES-train.md has the
+measurements). The memory kept for the backward pass is what the unfused module keeps: x, Z and Y.
 
 Where the Gluon kernel cannot run (no sm_90, no Gluon, odd alignment) the custom operator computes
 the same thing with torch ops, so the module works everywhere and its autograd is tested on the
@@ -107,6 +110,38 @@ def _(h, z, with_bias, db_dtype):
         (h.shape[1],) if with_bias else (0,), dtype=db_dtype)
 
 
+def product_gelu_backward_impl(g: Tensor, w: Tensor, z: Tensor, with_bias: bool,
+                               db_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(dZ, db) as gelu_backward_impl(g @ w, z, ...) returns them, with GELU's backward in the
+    product's epilogue where the warp-specialised kernel runs (ws.gelu_backward_eligible: sm_90):
+    one launch instead of cuBLAS's product and the separate pass. g: (M, C) = dOut, w: (C, 4C) =
+    W_proj, z: (M, 4C). Elsewhere the product, then gelu_backward_impl."""
+    if ws.gelu_backward_eligible(g, w, z):
+        return ws.gelu_backward_fused(g, w, z, with_bias, db_dtype)
+    return gelu_backward_impl(g @ w, z, with_bias, db_dtype)
+
+
+product_gelu_backward_op = torch.library.custom_op("mpgpt::product_gelu_backward", mutates_args=())(
+    product_gelu_backward_impl)
+
+
+@product_gelu_backward_op.register_fake
+def _(g, w, z, with_bias, db_dtype):
+    return g.new_empty((g.shape[0], w.shape[1])), g.new_empty((w.shape[1],) if with_bias else (0,), dtype=db_dtype)
+
+
+# Where GELU's backward runs: "pass", after cuBLAS's dH = dOut W_proj, in gelu.py's one pass; or
+# "epilogue", in that product's epilogue on the warp-specialised kernel (sm_90; elsewhere as "pass").
+GELU_BACKWARDS = ("pass", "epilogue")
+
+
+def check_gelu_backward(where: str) -> str:
+    """where, if it is one of GELU_BACKWARDS; otherwise a ValueError that lists them."""
+    if where not in GELU_BACKWARDS:
+        raise ValueError(f"gelu_backward must be one of {GELU_BACKWARDS}, got {where!r}")
+    return where
+
+
 # ----------------------------------------------------------------------------------------------
 # The autograd Function and the functional form
 # ----------------------------------------------------------------------------------------------
@@ -125,7 +160,7 @@ class _GeluMLPFunction(torch.autograd.Function):
     saved tensors' dtype, so it does not depend on the autocast state it runs under."""
 
     @staticmethod
-    def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, dtype, weight_grad_kernel):
+    def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, dtype, weight_grad_kernel, gelu_backward):
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, C)
         w_fc_lp, w_proj_lp = w_fc.to(dtype), w_proj.to(dtype)
         b_fc_lp = b_fc.to(dtype) if b_fc is not None else None
@@ -136,7 +171,7 @@ class _GeluMLPFunction(torch.autograd.Function):
         ctx.shapes = (x.shape, x.dtype)
         ctx.dtypes = (w_fc.dtype, None if b_fc is None else b_fc.dtype, w_proj.dtype,
                       None if b_proj is None else b_proj.dtype)
-        ctx.weight_grad_kernel = weight_grad_kernel
+        ctx.weight_grad_kernel, ctx.gelu_backward = weight_grad_kernel, gelu_backward
         return out.view(*x.shape[:-1], w_proj.shape[0])
 
     @staticmethod
@@ -148,20 +183,27 @@ class _GeluMLPFunction(torch.autograd.Function):
         d_w_proj = _weight_grad(g.t(), y, w_proj_dt, ctx.weight_grad_kernel)          # (C, 4C)
         d_b_proj = g.sum(0, dtype=torch.float32).to(b_proj_dt) if b_proj_dt is not None else None
         db_dt = b_fc_dt if b_fc_dt is not None else torch.float32  # d_b_fc in the bias's dtype: no cast follows
-        dz, d_b_fc = _op(gelu_backward_op, gelu_backward_impl)(g @ w_proj_lp, z, b_fc_dt is not None, db_dt)  # (M, 4C), (4C,)
+        if ctx.gelu_backward == "epilogue":  # dH = dOut W_proj and GELU's backward in one launch
+            dz, d_b_fc = _op(product_gelu_backward_op, product_gelu_backward_impl)(
+                g, w_proj_lp, z, b_fc_dt is not None, db_dt)                                  # (M, 4C), (4C,)
+        else:
+            dz, d_b_fc = _op(gelu_backward_op, gelu_backward_impl)(g @ w_proj_lp, z, b_fc_dt is not None, db_dt)
         d_w_fc = _weight_grad(dz.t(), x2, w_fc_dt, ctx.weight_grad_kernel)                    # (4C, C)
         dx = (dz @ w_fc_lp).to(x_dtype).view(x_shape)                                         # (M, C)
-        return dx, d_w_fc, d_b_fc.to(b_fc_dt) if b_fc_dt is not None else None, d_w_proj, d_b_proj, None, None
+        return dx, d_w_fc, d_b_fc.to(b_fc_dt) if b_fc_dt is not None else None, d_w_proj, d_b_proj, None, None, None
 
 
 def gelu_mlp(x: Tensor, w_fc: Tensor, b_fc: Optional[Tensor], w_proj: Tensor, b_proj: Optional[Tensor],
-             weight_grad_kernel: str = "cublas") -> Tensor:
+             weight_grad_kernel: str = "cublas", gelu_backward: str = "pass") -> Tensor:
     """gelu(x @ w_fc.T + b_fc) @ w_proj.T + b_proj (GELU's tanh approximation), with GELU fused as
     the module docstring says; for an fp32 model outside autocast, exactly the unfused torch ops.
     weight_grad_kernel: "cublas", or a kernel of mpgpt.kernels.matmul for the two weight
-    gradients (WEIGHT_GRAD_KERNELS; see _weight_grad: "streamk" is the one meant for their shape)."""
+    gradients (WEIGHT_GRAD_KERNELS; see _weight_grad: "streamk" is the one meant for their shape).
+    gelu_backward: "pass" (cuBLAS's dOut W_proj, then gelu.py's pass) or "epilogue" (both in one
+    launch of the warp-specialised kernel where it runs; GELU_BACKWARDS)."""
     check_weight_grad_kernel(weight_grad_kernel)
+    check_gelu_backward(gelu_backward)
     dtype = _compute_dtype(x)
     if dtype is None:
         return F.linear(F.gelu(F.linear(x, w_fc, b_fc), approximate="tanh"), w_proj, b_proj)
-    return _GeluMLPFunction.apply(x, w_fc, b_fc, w_proj, b_proj, dtype, weight_grad_kernel)
+    return _GeluMLPFunction.apply(x, w_fc, b_fc, w_proj, b_proj, dtype, weight_grad_kernel, gelu_backward)

@@ -170,7 +170,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout)     # (BLOCK_M, BLOCK_N)
         acc2 = gl.zeros((BLOCK_M, EXTRA_N), gl.float32, layout2)   # (BLOCK_M, EXTRA_N): the next columns
         c = 0  # steps consumed so far
-        t = 0  # tiles handed to the GELU partition so far (EPILOGUE == 1)
+        t = 0  # tiles handed to the epilogue partition so far (EPILOGUE >= 1)
         for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
             off_m, off_n = tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N + EXTRA_N)
             if HAS_BIAS:  # loaded now, so that its latency hides behind the MMAs
@@ -200,9 +200,10 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             y, y2 = acc, acc2  # new names: a bias sum must not write the accumulators' registers
             if HAS_BIAS:
                 y, y2 = acc + bias, acc2 + bias2
-            if EPILOGUE == 1:
-                # Z, rounded once, goes to the GELU partition through c_smem / c2_smem; these warps
-                # go on to the next tile's MMAs while that partition stores Z and gelu(Z).
+            if EPILOGUE >= 1:
+                # The tile, rounded once, goes to the epilogue partition through c_smem / c2_smem
+                # (Z for EPILOGUE 1, dH for EPILOGUE 2); these warps go on to the next tile's MMAs
+                # while that partition finishes it.
                 mbarrier.wait(z_empty, (t & 1) ^ 1)  # the partition is done with the last tile
                 c_smem.store(y.to(c_desc.dtype))
                 c2_smem.store(y2.to(c2_desc.dtype))
@@ -257,14 +258,97 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             t += 1
 
     @gluon.jit
+    def _gelu_grad(z):
+        """gelu'(z) in fp32, as gelu.gelu_grad_f32 computes it (the sigmoid form, exp and one fast
+        division), so the fused backward gives the separate pass's dZ:
+        s = sigmoid(v), v = 2 sqrt(2/pi) (z + 0.044715 z^3); gelu'(z) = s + z s (1 - s) 2 sqrt(2/pi) (1 + 3 * 0.044715 z^2).
+        Not tanh.approx as in the forward: near |t| = 1 its 2^-11 relative error becomes about
+        0.3 % of gelu'(z) through 1 - t^2, as large as dZ's own bf16 rounding."""
+        zz = z * z
+        v = 1.5957691216057308 * z * (1.0 + 0.044715 * zz)
+        e = gl.exp(-gl.abs(v))
+        r = gl.fdiv(gl.full(v.shape, 1.0, gl.float32, v.type.layout), 1.0 + e, ieee_rounding=False)
+        s = gl.where(v >= 0, r, e * r)
+        return s + z * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * zz)
+
+    @gluon.jit
+    def _load_z(z_ptr, rows, cols, M, N, live: gl.constexpr):
+        """Z[rows, cols] as a (len(rows), len(cols)) tile in rows' and cols' parent layout; zeros
+        past M and N, and all zeros without a load where ``live`` is False."""
+        mask = gl.expand_dims((rows < M) & live, 1) & gl.expand_dims(cols < N, 0)
+        offs = gl.expand_dims(rows.to(gl.int64) * N, 1) + gl.expand_dims(cols, 0)  # 64-bit: M * N may pass 2^31
+        return gl.load(z_ptr + offs, mask=mask, other=0.0)
+
+    @gluon.jit
+    def _gelu_grad_partition(c_desc, c2_desc, c_smem, c2_smem, z_ready, z_empty, z_ptr, part_ptr, M, N,
+                             HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr):
+        """EPILOGUE == 2, four warps: for each tile the MMA warps hand over (dH = dOut W in c_smem /
+        c2_smem), dZ = dH * gelu'(Z) in place of it, stored; with HAS_BIAS each column's sum of the
+        fp32 dZ over the tile's rows goes to part (N, cdiv(M, BLOCK_M)) at [column, tile row].
+        Z is read from global memory one chunk of rows ahead of the chunk being computed, and the
+        tile's first chunk before the tile is handed over, so its latency hides behind the MMAs."""
+        BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+        EXTRA_N: gl.constexpr = c2_desc.block_type.shape[1]
+        # Row chunks of ROWS x BLOCK_N (and ROWS x EXTRA_N): 16 and 8 values a thread, 16-byte loads.
+        ROWS: gl.constexpr = 8
+        CHUNKS: gl.constexpr = BLOCK_M // ROWS
+        # Each warp owns a quarter of the columns and all ROWS rows, so the column sums need only
+        # shuffles within a warp (a sum across warps went through shared memory, and spilled).
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 4], [1, 0])    # 8 rows x 128 columns
+        layout2: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 4], [1, 0])   # 8 rows x 64 columns
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N + EXTRA_N)
+        t = 0
+        for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+            off_m, off_n = tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N + EXTRA_N)
+            rows = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+            cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+            rows2 = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout2))
+            cols2 = off_n + BLOCK_N + gl.arange(0, EXTRA_N, layout=gl.SliceLayout(0, layout2))
+            z = _load_z(z_ptr, rows, cols, M, N, True)          # the first chunk, (ROWS, BLOCK_N)
+            z2 = _load_z(z_ptr, rows2, cols2, M, N, True)       # (ROWS, EXTRA_N)
+            acc = gl.zeros((ROWS, BLOCK_N), gl.float32, layout)    # column sums, element-wise over chunks
+            acc2 = gl.zeros((ROWS, EXTRA_N), gl.float32, layout2)
+            mbarrier.wait(z_ready, t & 1)
+            for r in gl.static_range(CHUNKS):
+                # The next chunk's Z, in flight while this chunk is computed (none after the last).
+                z_next = _load_z(z_ptr, rows + (r + 1) * ROWS, cols, M, N, r + 1 < CHUNKS)
+                z2_next = _load_z(z_ptr, rows2 + (r + 1) * ROWS, cols2, M, N, r + 1 < CHUNKS)
+                part = c_smem.slice(r * ROWS, ROWS)
+                dz = part.load(layout).to(gl.float32) * _gelu_grad(z.to(gl.float32))
+                part.store(dz.to(c_desc.dtype))
+                part2 = c2_smem.slice(r * ROWS, ROWS)
+                dz2 = part2.load(layout2).to(gl.float32) * _gelu_grad(z2.to(gl.float32))
+                part2.store(dz2.to(c2_desc.dtype))
+                if HAS_BIAS:  # rows past M hold dH = 0 (TMA read zeros there), so they add nothing
+                    acc += dz
+                    acc2 += dz2
+                z, z2 = z_next, z2_next
+            fence_async_shared()
+            _sync_partition()  # all four warps' rows are in place before the stores read them
+            tma_store(c_desc, [off_m, off_n], c_smem)
+            tma_store(c2_desc, [off_m, off_n + BLOCK_N], c2_smem)
+            if HAS_BIAS:  # one sum across the warps a tile, while the stores run
+                pid_m = off_m // BLOCK_M
+                gl.store(part_ptr + cols.to(gl.int64) * num_pid_m + pid_m, gl.sum(acc, axis=0), mask=cols < N)
+                gl.store(part_ptr + cols2.to(gl.int64) * num_pid_m + pid_m, gl.sum(acc2, axis=0), mask=cols2 < N)
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(z_empty)  # the buffers are free for the next tile
+            t += 1
+
+    @gluon.jit
     def matmul_ws_kernel(
         a_desc, b_desc, b2_desc,            # TMA descriptors of A (M, K) and of w (N, K) or B (K, N), two box widths
         c_desc, c2_desc,                    # ... of C (M, N), two box widths
         z_desc, z2_desc,                    # ... of Z (M, N), written only if EPILOGUE == 1
-        bias_ptr,                           # bias (N,), read only if HAS_BIAS
+        bias_ptr,                           # bias (N,), read only if HAS_BIAS and EPILOGUE < 2
+        z_ptr,                              # Z (M, N) row-major, read only if EPILOGUE == 2
+        part_ptr,                           # (N, cdiv(M, BLOCK_M)) fp32, written only if EPILOGUE == 2 and HAS_BIAS
         M, N, K,
-        HAS_BIAS: gl.constexpr,
-        EPILOGUE: gl.constexpr,             # 0: C = A w^T (+ bias); 1: also Z = that, and C = gelu(Z)
+        HAS_BIAS: gl.constexpr,             # EPILOGUE < 2: add bias; EPILOGUE == 2: sum dZ's columns into part
+        EPILOGUE: gl.constexpr,             # 0: C = A B (+ bias); 1: also Z = that, and C = gelu(Z);
+                                            # 2: C = (A B) * gelu'(Z), GELU's backward (A = dOut, B = W)
         B_ROW_MAJOR: gl.constexpr,          # False: b_desc describes w (N, K); True: B (K, N) row-major
         GROUP_M: gl.constexpr,
         STAGES: gl.constexpr,               # shared-memory stages in the load ring
@@ -291,10 +375,21 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         mbarrier.init(z_empty, count=1)
         fence_async_shared()  # the initialised barriers, visible to the TMA unit
         # The producer: 1 warp, 40 registers a thread; for EPILOGUE == 1 the GELU partition: 4 warps,
-        # 96 registers a thread; the MMA warps get the rest. The two lists repeat the first two
-        # partitions because the JIT can hold neither a function nor (keeping it constexpr) a
-        # constexpr argument in a variable.
-        if EPILOGUE == 1:
+        # 96 registers a thread; for EPILOGUE == 2 GELU's backward: 4 warps, 128 registers (two chunks
+        # of Z in flight, the column sums); the MMA warps get the rest. The three lists repeat the
+        # first two partitions because the JIT can hold neither a function nor (keeping it
+        # constexpr) a constexpr argument in a variable.
+        if EPILOGUE == 2:
+            gl.warp_specialize([
+                (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem,
+                                  c2_smem, bias_ptr, M, N, K, False, EPILOGUE, B_ROW_MAJOR, GROUP_M, STAGES,
+                                  num_warps)),
+                (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, B_ROW_MAJOR,
+                             GROUP_M, STAGES)),
+                (_gelu_grad_partition, (c_desc, c2_desc, c_smem, c2_smem, z_ready, z_empty, z_ptr, part_ptr, M, N,
+                                        HAS_BIAS, GROUP_M)),
+            ], [1, 4], [40, 128])
+        elif EPILOGUE == 1:
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem,
                                   c2_smem, bias_ptr, M, N, K, HAS_BIAS, EPILOGUE, B_ROW_MAJOR, GROUP_M, STAGES,
@@ -303,7 +398,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                              GROUP_M, STAGES)),
                 (_gelu_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, M, N,
                                    GROUP_M)),
-            ], [1, 4], [40, 96])
+            ], [1, 4], [40, 128])
         else:
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem,
@@ -421,11 +516,15 @@ def _layouts7(dtype, row_major_b=False):
     return layouts + layouts[3:5]
 
 
-def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None):
+N_TENSORS = 10  # the arguments that change from call to call: seven descriptors, bias, Z, the partial sums
+
+
+def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, part=None):
     """Launch c = a @ b (+ bias) on the warp-specialised kernel (the caller checked ws_eligible),
-    or with epilogue 1 (z = a @ b + bias, c = gelu(z)). Returns (the jitted kernel, the compiled
-    kernel, grid, args, kwargs): what launch.compiled_launch needs to repeat it, with the seven
-    descriptors and the bias first."""
+    or with epilogue 1 (z = a @ b + bias, c = gelu(z)), or 2 (c = (a @ b) * gelu'(z), and with
+    ``part`` the column sums of that, see gelu_backward_fused). Returns (the jitted kernel, the
+    compiled kernel, grid, args, kwargs): what launch.compiled_launch needs to repeat it, with
+    the N_TENSORS tensor arguments first."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     M, K = a.shape
     N = b.shape[1]
@@ -434,8 +533,10 @@ def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None):
                   zip(ws_tensors(a, b, c, z if epilogue == 1 else None), _layouts7(a.dtype, row_major_b)))
     tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N + EXTRA_N)
     grid = (min(num_programs or num_sms, tiles),)
-    args = (*descs, bias if bias is not None else c, M, N, K)
-    kwargs = dict(HAS_BIAS=bias is not None, EPILOGUE=epilogue, B_ROW_MAJOR=row_major_b, GROUP_M=GROUP_M,
+    args = (*descs, bias if bias is not None else c, z if epilogue == 2 else c, part if part is not None else c,
+            M, N, K)
+    has_bias = part is not None if epilogue == 2 else bias is not None
+    kwargs = dict(HAS_BIAS=has_bias, EPILOGUE=epilogue, B_ROW_MAJOR=row_major_b, GROUP_M=GROUP_M,
                   STAGES=STAGES, num_warps=NUM_WARPS)
     compiled = matmul_ws_kernel[grid](*args, **kwargs)
     return matmul_ws_kernel, compiled, grid, args, kwargs
@@ -446,13 +547,13 @@ def launch(a, b, c, bias=None):
     a replay function `(a, b, c, bias, z)` for new tensors of the same signature (launch.py),
     which passes `lean_descriptors` instead of building TensorDescriptors again, or None."""
     jit_fn, compiled, grid, args, kwargs = ws_launch(a, b, c, bias, env.num_sms(a.device))
-    remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=8)
+    remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=N_TENSORS)
     if remembered is None:
         return None
     row_major_b = kwargs["B_ROW_MAJOR"]  # the same for every call of this signature (strides are in it)
 
-    def replay(a, b, c, bias, z):  # seven host-built descriptors, then the bias
-        remembered(a.device.index, *lean_descriptors(a, b, c, None, row_major_b), bias if bias is not None else c)
+    def replay(a, b, c, bias, z):  # seven host-built descriptors, the bias, then c for the unused Z and table
+        remembered(a.device.index, *lean_descriptors(a, b, c, None, row_major_b), bias if bias is not None else c, c, c)
     return replay
 
 
@@ -494,11 +595,62 @@ def gelu_forward(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
            None if bias is None else (bias.dtype, bias.stride(), bias.data_ptr() % 16))
     remembered = _GELU_LAUNCHES.get(key) if lean_launch_enabled() else None  # the switches, read at every call
     if remembered is not None:
-        remembered(a.device.index, *lean_descriptors(a, w.t(), y, z, False), bias if bias is not None else y)
+        remembered(a.device.index, *lean_descriptors(a, w.t(), y, z, False), bias if bias is not None else y, y, y)
         return y, z
     jit_fn, compiled, grid, args, kwargs = ws_launch(a, w.t(), y, bias, env.num_sms(a.device), epilogue=1, z=z)
     if lean_launch_enabled():
-        remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=8)
+        remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=N_TENSORS)
         if remembered is not None:
             _GELU_LAUNCHES[key] = remembered
     return y, z
+
+
+# ----------------------------------------------------------------------------------------------
+# GELU's backward fused into the MLP's dOut @ W_proj (used by kernels/mlp.py)
+# ----------------------------------------------------------------------------------------------
+_GELU_GRAD_LAUNCHES: dict = {}  # call signature -> CompiledLaunch
+
+
+def gelu_backward_eligible(g: torch.Tensor, w: torch.Tensor, z: torch.Tensor) -> bool:
+    """Whether gelu_backward_fused(g, w, z) can run here: this kernel on this GPU (sm_90,
+    compiled), bf16/fp16 g (M, K), w (K, N) and z (M, N) of one dtype, g and w addressable by TMA,
+    z contiguous, rows of the (M, N) output a multiple of 16 bytes, no dimension below 16."""
+    if WS_IMPORT_ERROR is not None or env.interpreting() or not g.is_cuda or env.capability(g.device) != (9, 0):
+        return False
+    if g.dtype not in (torch.bfloat16, torch.float16) or w.dtype != g.dtype or z.dtype != g.dtype:
+        return False
+    if g.dim() != 2 or w.dim() != 2 or z.dim() != 2:
+        return False
+    (M, K), N = g.shape, w.shape[1]
+    return (w.shape[0] == K and z.shape == (M, N) and z.is_contiguous() and min(M, N, K) >= 16
+            and _aligned(g) and _aligned(w) and N * g.element_size() % 16 == 0)
+
+
+def gelu_backward_fused(g: torch.Tensor, w: torch.Tensor, z: torch.Tensor, with_bias: bool = True,
+                        db_dtype: torch.dtype = torch.float32):
+    """(dZ, db) for the MLP's backward in one launch: dH = g @ w (the product the unfused
+    backward hands to cuBLAS, rounded once into g's dtype as cuBLAS rounds it), then in the
+    epilogue dZ = dH * gelu'(z) in fp32, rounded once, and with ``with_bias`` the column sums of
+    the fp32 dZ, one partial sum per tile of 128 rows, summed and rounded into ``db_dtype`` by
+    partials.sum_partials (without it, db is an empty tensor). g: (M, K) = dOut, w: (K, N) =
+    W_proj as nn.Linear holds it, z: (M, N) the saved pre-activation -> dZ (M, N), db (N,). The
+    same dZ and db as gelu.gelu_backward_bias(g @ w, z), up to the order of fp32 sums. The caller
+    checked gelu_backward_eligible(g, w, z)."""
+    from . import partials
+    M, N = g.shape[0], w.shape[1]
+    dz = torch.empty((M, N), dtype=g.dtype, device=g.device)
+    part = torch.empty((N, triton.cdiv(M, BLOCK_M)), dtype=torch.float32, device=g.device) if with_bias else None
+    key = (g.device.index, g.dtype, g.shape, g.stride(), w.shape, w.stride(), g.data_ptr() % 16, w.data_ptr() % 16,
+           with_bias)
+    remembered = _GELU_GRAD_LAUNCHES.get(key) if lean_launch_enabled() else None
+    if remembered is not None:
+        remembered(g.device.index, *lean_descriptors(g, w, dz, None, True), dz, z, part if with_bias else dz)
+    else:
+        jit_fn, compiled, grid, args, kwargs = ws_launch(g, w, dz, None, env.num_sms(g.device), epilogue=2, z=z,
+                                                         part=part)
+        if lean_launch_enabled():
+            remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=N_TENSORS)
+            if remembered is not None:
+                _GELU_GRAD_LAUNCHES[key] = remembered
+    db = partials.sum_partials(part, db_dtype) if with_bias else dz.new_empty(0, dtype=db_dtype)
+    return dz, db
