@@ -254,6 +254,7 @@ def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False) -> 
                                               num_warps=ws.NUM_WARPS, grid=(132,))
     ptx = compiled.asm["ptx"]
     return {"shared": compiled.metadata.shared, **instructions(ptx), "tanh": ptx.count("tanh.approx.f32"),
+            "ex2": ptx.count("ex2.approx"),
             "wgmma_types": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.(\w+)\.", ptx)))}
 
 

@@ -118,13 +118,14 @@ def test_the_fp8_gemms_compile_for_fp8_tensor_cores(compiled, cc, kernel):
 
 
 @pytest.mark.parametrize("kernel,dtype,operands", [("ws", "bf16", "bf16"), ("ws_gelu", "bf16", "bf16"),
-                                                    ("ws_row_major_b", "bf16", "bf16"), ("fp8_ws", "fp8", "e4m3")])
+                                                    ("ws_row_major_b", "bf16", "bf16"),
+                                                    ("ws_gelu_backward", "bf16", "bf16"), ("fp8_ws", "fp8", "e4m3")])
 def test_the_gluon_kernels_compile_for_hopper(compiled, kernel, dtype, operands):
     """The warp-specialised kernels are written in Gluon, whose API moved between Triton releases
     (3.9 renamed the TMA copies): each, the bf16 kernel with its GELU epilogue (Z and gelu(Z)
-    stored), and with a row-major B (dX = dY @ W), must compile with the Triton
-    installed here, fit an H100's shared memory, and multiply on wgmma with the operand type it
-    was written for."""
+    stored), with a row-major B (dX = dY @ W), and with GELU's backward in the epilogue of
+    dOut W_proj, must compile with the Triton installed here, fit an H100's shared memory, and
+    multiply on wgmma with the operand type it was written for."""
     if (90, kernel, dtype) not in compiled:
         pytest.skip("this Triton has no Gluon")
     record = compiled[90, kernel, dtype]
@@ -133,6 +134,8 @@ def test_the_gluon_kernels_compile_for_hopper(compiled, kernel, dtype, operands)
     assert record["mma"] > 0 and record["wgmma_types"] == [operands], record
     # The GELU epilogue is compiled in (one tanh instruction per element), and only where asked for.
     assert (record["tanh"] > 0) == (kernel == "ws_gelu"), record
+    # GELU's backward evaluates gelu' with exp (ex2), as gelu.py does, not the tanh instruction.
+    assert (record["ex2"] > 0) == (kernel == "ws_gelu_backward"), record
 
 
 @pytest.mark.parametrize("kernel", ["streamk", "streamk_fixup"])
