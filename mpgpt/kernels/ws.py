@@ -640,8 +640,9 @@ def gelu_backward_fused(g: torch.Tensor, w: torch.Tensor, z: torch.Tensor, with_
     M, N = g.shape[0], w.shape[1]
     dz = torch.empty((M, N), dtype=g.dtype, device=g.device)
     part = torch.empty((N, triton.cdiv(M, BLOCK_M)), dtype=torch.float32, device=g.device) if with_bias else None
+    # Triton specialises pointer arguments on 16-byte alignment: z's is part of the signature.
     key = (g.device.index, g.dtype, g.shape, g.stride(), w.shape, w.stride(), g.data_ptr() % 16, w.data_ptr() % 16,
-           with_bias)
+           z.data_ptr() % 16, with_bias)
     remembered = _GELU_GRAD_LAUNCHES.get(key) if lean_launch_enabled() else None
     if remembered is not None:
         remembered(g.device.index, *lean_descriptors(g, w, dz, None, True), dz, z, part if with_bias else dz)
