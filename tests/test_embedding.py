@@ -226,7 +226,7 @@ def test_the_option_refuses_an_untied_model_other_modules_and_hooks():
 
 def test_the_bench_rows_add_the_option_to_the_fastest_rows_and_train():
     """The two fused-emb rows of the training benchmark are the fastest rows with and without biases
-    plus this option, and the trainer they build looks its input up through it and trains (CPU, no
+    plus this option, and the trainer they build looks its input up through it and trains (no
     compile, no recording: the benchmark on a GPU does both)."""
     _kernels()
     from mpgpt.bench.training import TRAIN_CONFIGS, make_trainer
@@ -236,7 +236,7 @@ def test_the_bench_rows_add_the_option_to_the_fastest_rows_and_train():
         row = base.replace("+fused-ln+", "+fused-ln+fused-emb+")
         assert TRAIN_CONFIGS[row] == {**TRAIN_CONFIGS[base], "fused_emb": True}
     trainer = make_trainer("bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+fused-emb+step-graph+"
-                           "no-mix-order", preset="tiny", batch_size=2, block_size=16, device="cpu", cuda_graph=False,
+                           "no-mix-order", preset="tiny", batch_size=2, block_size=16, device=DEVICE, cuda_graph=False,
                            compile=False, steps=2, warmup_steps=0)
     assert trainer.model.fused_embedding is not None
     wte = trainer.model.transformer.wte.weight.detach().clone()
