@@ -56,32 +56,34 @@ def test_every_row_compiles_afresh_and_inductor_settings_bypass_the_graph_cache(
 
     if not hasattr(inductor_config.triton, "mix_order_reduction_split_size"):
         pytest.skip("this torch's Inductor has no mix-order reduction settings")
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", True)   # whatever the environment says
-    events = []
-    monkeypatch.setattr(torch._dynamo, "reset", lambda: events.append("reset"))
-    split = "triton.mix_order_reduction_split_size"
+    # Whatever the environment says; patched through the config module, which restores it (monkeypatch
+    # would delete the entry on undo, since it is not in the module's __dict__).
+    with inductor_config.patch(fx_graph_cache=True):
+        events = []
+        monkeypatch.setattr(torch._dynamo, "reset", lambda: events.append("reset"))
+        split = "triton.mix_order_reduction_split_size"
 
-    def settings():
-        return inductor_config.triton.mix_order_reduction_split_size, inductor_config.fx_graph_cache
+        def settings():
+            return inductor_config.triton.mix_order_reduction_split_size, inductor_config.fx_graph_cache
 
-    def fake_trainer(name, *args, **kwargs):
-        events.append(("build", name, settings()))
-        return object()
+        def fake_trainer(name, *args, **kwargs):
+            events.append(("build", name, settings()))
+            return object()
 
-    def fake_steps(trainer, warmup, steps):   # the steps compile: the settings must hold here too
-        events.append(("steps", settings()))
-        raise RuntimeError("stop here: no step is needed")
+        def fake_steps(trainer, warmup, steps):   # the steps compile: the settings must hold here too
+            events.append(("steps", settings()))
+            raise RuntimeError("stop here: no step is needed")
 
-    monkeypatch.setattr(training, "make_trainer", fake_trainer)
-    monkeypatch.setattr(training, "_time_steps", fake_steps)
-    base = "bf16+compile+fused-ce+fused-clip+step-graph"
-    assert training.TRAIN_CONFIGS[base + "+ln-split64"]["inductor"] == {split: 64}
-    rows = training.bench_train([base, base + "+ln-split64", base])
-    assert all("stop here" in row["error"] for row in rows)
-    plain, tuned = (None, True), (64, False)
-    assert events == ["reset", ("build", base, plain), ("steps", plain),
-                      "reset", ("build", base + "+ln-split64", tuned), ("steps", tuned),
-                      "reset", ("build", base, plain), ("steps", plain)]
+        monkeypatch.setattr(training, "make_trainer", fake_trainer)
+        monkeypatch.setattr(training, "_time_steps", fake_steps)
+        base = "bf16+compile+fused-ce+fused-clip+step-graph"
+        assert training.TRAIN_CONFIGS[base + "+ln-split64"]["inductor"] == {split: 64}
+        rows = training.bench_train([base, base + "+ln-split64", base])
+        assert all("stop here" in row["error"] for row in rows)
+        plain, tuned = (None, True), (64, False)
+        assert events == ["reset", ("build", base, plain), ("steps", plain),
+                          "reset", ("build", base + "+ln-split64", tuned), ("steps", tuned),
+                          "reset", ("build", base, plain), ("steps", plain)]
 
 
 def test_the_streamk_rows_differ_from_their_twins_only_in_the_mlp_weight_gradients():
@@ -97,6 +99,21 @@ def test_the_streamk_rows_differ_from_their_twins_only_in_the_mlp_weight_gradien
     for name in rows:
         twin = training.TRAIN_CONFIGS[name.replace("+streamk-dw", "")]
         assert training.TRAIN_CONFIGS[name] == {**twin, "mlp_dw": "streamk"}, name
+
+
+def test_the_gelu_epilogue_rows_differ_from_their_twins_only_there_and_build_that_mlp():
+    """The two "+gelu-epilogue" rows are the "+fused-emb" rows with and without biases plus GELU's
+    backward in the epilogue of dOut W_proj, and the trainer they build runs each MLP that way."""
+    from mpgpt.kernels import mlp
+    rows = [name for name in training.TRAIN_CONFIGS if "+gelu-epilogue" in name]
+    assert len(rows) == 2 and any("nobias" in name for name in rows), rows
+    for name in rows:
+        twin = training.TRAIN_CONFIGS[name.replace("+gelu-epilogue", "")]
+        assert twin.get("fused_emb") and training.TRAIN_CONFIGS[name] == {**twin, "gelu_epilogue": True}, name
+    built = training.make_trainer(rows[0], preset="tiny", batch_size=2, block_size=16, device="cpu", compile=False,
+                                  cuda_graph=False, optim16=None, precision="fp32", steps=1)
+    assert all(block.mlp.fused.func is mlp.gelu_mlp and block.mlp.fused.keywords == {"gelu_backward": "epilogue"}
+               for block in built.model.transformer.h)
 
 
 def test_the_ladder_is_one_change_per_rung_and_expands_from_its_name():

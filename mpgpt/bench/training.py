@@ -246,8 +246,12 @@ LADDER = [
 ]
 # The fastest steps, as measured beside llm.c and nanoGPT: with GPT-2's biases and without (nanoGPT's
 # model), the compiled baseline, and the first row once more, so the two times of one configuration
-# show how far the run drifted. (The "+streamk-dw" rows are left out: alone, the stream-K kernel was
-# slower than cuBLAS on the MLP's weight gradients, record kernels-grads-h200.)
+# show how far the run drifted. Left out: the "+fused-emb" rows (1.0004x and 1.0043x the rows without
+# it in two runs, records train-peers-emb-h200 and train-peers-emb-2-h200: within the spread between
+# runs, so the ladder keeps its last rung), the "+streamk-dw" rows (alone, the
+# stream-K kernel was slower than cuBLAS on the MLP's weight gradients, record kernels-grads-h200) and
+# the "+gelu-epilogue" rows (the fused product took 216.4 us against 161.4 us for cuBLAS and the pass,
+# benchmarks/NOTES-train.md).
 FASTEST = [
     "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+step-graph+no-mix-order",
     "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+fused-ln+step-graph+no-mix-order",
