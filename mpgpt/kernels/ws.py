@@ -44,6 +44,10 @@ and hand the buffers back (two mbarriers, z_ready and z_empty). When the MMA war
 themselves, the tensor cores waited for it: 119.3 us a launch in the step's profile (record
 train-profile-fastest-h200) against 95.9 us for the product alone (a do_bench probe, not kept);
 with the partition, 106.9 us (record train-profile-epilogue-h200; benchmarks/NOTES-train.md).
+`gelu_backward_fused` runs it with EPILOGUE=2 for the MLP's backward (dZ = (dOut W_proj) *
+gelu'(Z) and the bias gradient's column sums, in a partition of four warps the same way); at
+GPT-2's shape it took 216.4 us against 161.4 us for cuBLAS's product and gelu.py's pass, so the
+MLP uses it only when asked (kernels/mlp.py, gelu_backward="epilogue").
 Everything else goes to the TMA kernel (tma.py) or the grouped kernel (grouped.py); `matmul.plan` decides,
 using `ws_eligible` and `ws_preferred`. Gluon kernels run only compiled (there is no interpreter
 for them); where Gluon is missing, WS_IMPORT_ERROR says why and nothing here is used.
