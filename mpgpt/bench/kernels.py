@@ -45,6 +45,9 @@ between runs so we do not time the cache):
    benchmark draws them) and for text-like ones (a Zipf law: long runs of a few tokens): what
    Inductor compiles for the unfused sum (a scatter into zeros, then a dense addition) against
    `embedding_grad_into_` in place, at its default tiles and others, as replayed CUDA graphs.
+10. (sm_90) The fused MLP's backward product with GELU's backward in its epilogue
+   (`ws.gelu_backward_fused`) at GPT-2's 12288 x 768 -> 3072: cuBLAS's dH = dOut W_proj alone,
+   cuBLAS followed by `gelu_backward_bias`, and the one launch, as replayed CUDA graphs.
 
 Prints a table and writes kernels_<gpu>_<date>.json into --out-dir (default: the current folder)
 with the GPU, driver, CUDA, torch and triton versions, the date, the command and the commit
@@ -417,6 +420,36 @@ def bench_embedding_grad(M=12288, V=50304, C=768, dtype=torch.bfloat16):
     return res
 
 
+def bench_dgelu_epilogue(M=12288, C=768):
+    """Part 10 (sm_90): dZ = (dOut W_proj) * gelu'(Z) and c_fc's bias gradient at GPT-2's shape, as the
+    fused MLP's backward computes them: cuBLAS's product followed by gelu_backward_bias (gelu_backward=
+    "pass") against ws.gelu_backward_fused (the product's epilogue, gelu_backward="epilogue"), and
+    cuBLAS's product alone, the floor the epilogue should hide behind. Each as a replayed CUDA graph;
+    dZ and db of the two forms compared with each other (bf16 dZ: the two may round a few elements to
+    neighbouring values)."""
+    g = torch.randn(M, C, device="cuda").bfloat16()
+    w = (torch.randn(C, 4 * C, device="cuda") / C**0.5).bfloat16()
+    z = (1.5 * torch.randn(M, 4 * C, device="cuda")).bfloat16()
+
+    def separate():
+        return gelu.gelu_backward_bias(g @ w, z, db_dtype=torch.bfloat16)
+
+    def fused():
+        return ws.gelu_backward_fused(g, w, z, True, torch.bfloat16)
+
+    (dz_s, db_s), (dz_f, db_f) = separate(), fused()
+    res = {"M": M, "K": C, "N": 4 * C, "cublas_product_ms": _graph_ms(lambda: g @ w),
+           "separate_ms": _graph_ms(separate), "fused_ms": _graph_ms(fused),
+           "dz_elements_differing": (dz_s != dz_f).float().mean().item(),
+           "dz_max_abs_diff": (dz_s.float() - dz_f.float()).abs().max().item(),
+           "db_rel_diff": ((db_s.float() - db_f.float()).norm() / db_s.float().norm()).item()}
+    print(f"GELU backward in the epilogue of dOut W_proj {M}x{C}->{4 * C}, graph replay: cuBLAS product "
+          f"{res['cublas_product_ms']*1e3:.1f} us, product + gelu_backward_bias {res['separate_ms']*1e3:.1f} us, "
+          f"fused {res['fused_ms']*1e3:.1f} us ({res['separate_ms'] / res['fused_ms']:.2f}x); dZ differs in "
+          f"{res['dz_elements_differing']:.1e} of its elements, db by {res['db_rel_diff']:.1e}", flush=True)
+    return res
+
+
 # Tile configurations (ROWS, BLOCK_M, num_warps) of layer_norm_backward timed beside its default.
 # At GPT-2's 12288 rows (48, 4, 4) makes 256 programs and (32, 4, 4) 384. Compiled ahead of time for
 # sm_90 with a launch's specialisations (Triton 3.6), 16, 32 or 64 rows a program take 168 registers a
@@ -617,7 +650,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: matmul, fused, triton (TritonLinear fwd+bwd), gelu (GELU's backward), "
                         "merge (the attention gradients' head merge), layer (LayerNorm's backward), "
                         "grads (the gradient products on cuBLAS and each kernel; sm_90), partials (the last "
-                        "sums of the one-pass kernels' tables), embedding (the tied embedding's gradient)")
+                        "sums of the one-pass kernels' tables), embedding (the tied embedding's gradient), "
+                        "dgelu (GELU's backward in the product's epilogue; sm_90)")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -652,6 +686,8 @@ def main(argv=None) -> int:
              ("embedding", bench_embedding_grad)]
     if cc == (9, 0):  # the stream-K kernel, and the ws kernel it is compared with, are Hopper's
         parts.append(("grads", bench_gradients))
+        if ws.WS_IMPORT_ERROR is None:
+            parts.append(("dgelu_epilogue", bench_dgelu_epilogue))
     for name, run in parts:
         if name.split("_")[0] in skip or name in skip:
             continue
