@@ -390,8 +390,9 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         mbarrier.init(z_empty, count=1)
         fence_async_shared()  # the initialised barriers, visible to the TMA unit
         # The producer: 1 warp, 40 registers a thread; for EPILOGUE == 1 the GELU partition: 4 warps,
-        # 96 registers a thread; for EPILOGUE == 2 GELU's backward: 4 warps, 128 registers (with the
-        # column sums); the MMA warps get the rest. The three lists repeat the
+        # 96 registers a thread; for EPILOGUE == 2 GELU's backward: 4 warps, 96 registers as well (at
+        # 128 the MMA warps' 168 spilled 12 bytes; at 96 they get 184, and neither spills); the MMA
+        # warps get the rest. The three lists repeat the
         # first two partitions because the JIT can hold neither a function nor (keeping it
         # constexpr) a constexpr argument in a variable.
         if EPILOGUE == 2:
@@ -408,7 +409,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                              GROUP_M, STAGES)),
                 (_gelu_grad_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_smem, z2_smem, z_ready,
                                         z_empty, z_loaded, part_ptr, M, N, HAS_BIAS, GROUP_M)),
-            ], [1, 4], [40, 128])
+            ], [1, 4], [40, 96])
         elif EPILOGUE == 1:
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem,
@@ -418,7 +419,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                              GROUP_M, STAGES)),
                 (_gelu_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, M, N,
                                    GROUP_M)),
-            ], [1, 4], [40, 128])
+            ], [1, 4], [40, 96])
         else:
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem,
