@@ -649,7 +649,7 @@ def gelu_backward_eligible(g: torch.Tensor, w: torch.Tensor, z: torch.Tensor) ->
 
 
 def gelu_backward_fused(g: torch.Tensor, w: torch.Tensor, z: torch.Tensor, with_bias: bool = True,
-                        db_dtype: torch.dtype = torch.float32):
+                        db_dtype: torch.dtype = torch.float32, num_programs: int | None = None):
     """(dZ, db) for the MLP's backward in one launch: dH = g @ w (the product the unfused
     backward hands to cuBLAS, rounded once into g's dtype as cuBLAS rounds it), then in the
     epilogue dZ = dH * gelu'(z) in fp32, rounded once, and with ``with_bias`` the column sums of
@@ -657,19 +657,20 @@ def gelu_backward_fused(g: torch.Tensor, w: torch.Tensor, z: torch.Tensor, with_
     partials.sum_partials (without it, db is an empty tensor). g: (M, K) = dOut, w: (K, N) =
     W_proj as nn.Linear holds it, z: (M, N) the saved pre-activation -> dZ (M, N), db (N,). The
     same dZ and db as gelu.gelu_backward_bias(g @ w, z), up to the order of fp32 sums. The caller
-    checked gelu_backward_eligible(g, w, z)."""
+    checked gelu_backward_eligible(g, w, z). ``num_programs`` (default: one per multiprocessor)
+    lets a test give each program several tiles at a small shape."""
     from . import partials
     M, N = g.shape[0], w.shape[1]
     dz = torch.empty((M, N), dtype=g.dtype, device=g.device)
     part = torch.empty((N, triton.cdiv(M, BLOCK_M)), dtype=torch.float32, device=g.device) if with_bias else None
     key = (g.device.index, g.dtype, g.shape, g.stride(), w.shape, w.stride(), g.data_ptr() % 16, w.data_ptr() % 16,
-           with_bias)
+           with_bias, num_programs)
     remembered = _GELU_GRAD_LAUNCHES.get(key) if lean_launch_enabled() else None
     if remembered is not None:
         remembered(g.device.index, *lean_descriptors(g, w, dz, z, True), dz, part if with_bias else dz)
     else:
-        jit_fn, compiled, grid, args, kwargs = ws_launch(g, w, dz, None, env.num_sms(g.device), epilogue=2, z=z,
-                                                         part=part)
+        jit_fn, compiled, grid, args, kwargs = ws_launch(g, w, dz, None, env.num_sms(g.device), num_programs,
+                                                         epilogue=2, z=z, part=part)
         if lean_launch_enabled():
             remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=N_TENSORS)
             if remembered is not None:
