@@ -392,9 +392,8 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         # The producer: 1 warp, 40 registers a thread; for EPILOGUE == 1 the GELU partition: 4 warps,
         # 96 registers a thread; for EPILOGUE == 2 GELU's backward: 4 warps, 96 registers as well (at
         # 128 the MMA warps' 168 spilled 12 bytes; at 96 they get 184, and neither spills); the MMA
-        # warps get the rest. The three lists repeat the
-        # first two partitions because the JIT can hold neither a function nor (keeping it
-        # constexpr) a constexpr argument in a variable.
+        # warps get the rest. The three lists repeat the first two partitions because the JIT can
+        # hold neither a function nor (keeping it constexpr) a constexpr argument in a variable.
         if EPILOGUE == 2:
             z_smem = gl.allocate_shared_memory(dtype, z_desc.block_type.shape, z_desc.layout)
             z2_smem = gl.allocate_shared_memory(dtype, z2_desc.block_type.shape, z2_desc.layout)
