@@ -248,7 +248,7 @@ def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False) -> 
         b = a if row_major_b else a.t()  # row-major (K, N), or w.t() for a row-major weight w, as nn.Linear has
         descs = [TensorDescriptor.from_tensor(t, box, layout)
                  for t, (box, layout) in zip(ws.ws_tensors(a, b, a), ws._layouts7(torch.bfloat16, row_major_b))]
-        compiled = ws.matmul_ws_kernel.warmup(*descs, a[0], torch.empty(n, 32), n, n, n, HAS_BIAS=True,
+        compiled = ws.matmul_ws_kernel.warmup(*descs, a[0], a, torch.empty(n, 32), n, n, n, HAS_BIAS=True,
                                               EPILOGUE=epilogue, B_ROW_MAJOR=row_major_b, GROUP_M=ws.GROUP_M,
                                               STAGES=ws.STAGES_GELU_BACKWARD if epilogue == 2 else ws.STAGES,
                                               num_warps=ws.NUM_WARPS, grid=(132,))

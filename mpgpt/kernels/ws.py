@@ -228,11 +228,15 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _gelu_partition(c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, M, N,
+    def _gelu_partition(c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, out_ptr, M, N,
                         GROUP_M: gl.constexpr):
-        """EPILOGUE == 1, four warps: for each tile the MMA warps hand over (Z in c_smem / c2_smem),
-        store Z, then gelu(Z) in place of it, and hand the buffers back. It runs beside the next
-        tile's MMAs, so GELU's arithmetic costs no tensor-core time."""
+        """EPILOGUE == 1, four warps: for each tile the MMA warps hand over Z (in c_smem / c2_smem);
+        a TMA store writes Z out while these warps read it too and write gelu(Z) from registers
+        straight to out (M, N) in global memory; then the buffers go back. It runs beside the next
+        tile's MMAs, so GELU's arithmetic costs no tensor-core time. (gelu(Z) does not go back
+        into the buffers for a second TMA store: a store into a buffer that a later chunk loads
+        from makes the compiler put a barrier of the four warps between them, so the chunks would
+        run one after another; see _gelu_grad_partition.)"""
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
         EXTRA_N: gl.constexpr = c2_desc.block_type.shape[1]
@@ -240,6 +244,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         ROWS: gl.constexpr = 32
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])   # 8 rows x 128 columns
         layout2: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # 16 rows x 64 columns
+        dtype: gl.constexpr = c_desc.dtype
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N + EXTRA_N)
         t = 0
@@ -248,19 +253,14 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             mbarrier.wait(z_ready, t & 1)
             tma_store(z_desc, [off_m, off_n], c_smem)
             tma_store(z2_desc, [off_m, off_n + BLOCK_N], c2_smem)
-            tma.store_wait(pendings=0)  # the thread that issued the stores: Z has been read out of the buffers
-            _sync_partition()           # ... and every warp knows it before overwriting them
             for r in gl.static_range(BLOCK_M // ROWS):
-                part = c_smem.slice(r * ROWS, ROWS)
-                part.store(_gelu(part.load(layout).to(gl.float32)).to(c_desc.dtype))
-                part2 = c2_smem.slice(r * ROWS, ROWS)
-                part2.store(_gelu(part2.load(layout2).to(gl.float32)).to(c2_desc.dtype))
-            fence_async_shared()
-            _sync_partition()  # all four warps' rows are in place before the stores read them
-            tma_store(c_desc, [off_m, off_n], c_smem)
-            tma_store(c2_desc, [off_m, off_n + BLOCK_N], c2_smem)
-            tma.store_wait(pendings=0)
-            mbarrier.arrive(z_empty)  # the buffers are free for the next tile's Z
+                y = _gelu(c_smem.slice(r * ROWS, ROWS).load(layout).to(gl.float32))
+                _store_rows(out_ptr, y.to(dtype), off_m, r * ROWS, off_n, M, N, ROWS, BLOCK_N, layout)
+                y2 = _gelu(c2_smem.slice(r * ROWS, ROWS).load(layout2).to(gl.float32))
+                _store_rows(out_ptr, y2.to(dtype), off_m, r * ROWS, off_n + BLOCK_N, M, N, ROWS, EXTRA_N, layout2)
+            tma.store_wait(pendings=0)  # the thread that issued the stores: Z has been read out of the buffers
+            _sync_partition()           # ... and every warp has read its rows
+            mbarrier.arrive(z_empty)    # the buffers are free for the next tile's Z
             t += 1
 
     @gluon.jit
@@ -290,15 +290,32 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         tma_load(z2_desc, [off_m, off_n + BLOCK_N], z_loaded, z2_smem)
 
     @gluon.jit
+    def _store_rows(out_ptr, x, off_m, r0, col0, M, N, ROWS: gl.constexpr, WIDTH: gl.constexpr,
+                    layout: gl.constexpr):
+        """x (ROWS, WIDTH) into out (M, N), row-major contiguous, at rows off_m + r0 .., columns
+        col0 ..; what lies past M or N is left out (as a TMA store leaves it)."""
+        rows = off_m + r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        cols = cols_of(col0, WIDTH, layout)
+        offs = gl.expand_dims(rows.to(gl.int64) * N, 1) + gl.expand_dims(cols, 0)
+        gl.store(out_ptr + offs, x, mask=gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0))
+
+    @gluon.jit
     def _gelu_grad_partition(c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_smem, z2_smem, z_ready, z_empty,
-                             z_loaded, part_ptr, M, N, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr):
-        """EPILOGUE == 2, four warps: for each tile the MMA warps hand over (dH = dOut W in c_smem /
-        c2_smem), dZ = dH * gelu'(Z) in place of it, stored; with HAS_BIAS each column's sum of the
-        fp32 dZ over the tile's rows goes to part (N, cdiv(M, BLOCK_M)) at [column, tile row].
+                             z_loaded, out_ptr, part_ptr, M, N, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr):
+        """EPILOGUE == 2, four warps: for each tile the MMA warps hand over dH = dOut W (in c_smem /
+        c2_smem); dZ = dH * gelu'(Z) goes from registers straight to out (M, N) in global memory;
+        with HAS_BIAS each column's sum of the fp32 dZ over the tile's rows goes to part
+        (N, cdiv(M, BLOCK_M)) at [column, tile row].
         Z comes by TMA into shared memory of its own: the next tile's load starts as soon as this
-        tile's Z has been read, so it arrives while that tile's MMAs run. (A first version read Z
-        from global memory in the partition, a chunk ahead: its warps could not keep up with the
-        MMAs, benchmarks/NOTES-train.md.)"""
+        tile's Z has been read, so it arrives while that tile's MMAs run.
+        Why dZ does not go back through shared memory and a TMA store: a store into a buffer that
+        a later chunk loads from makes the compiler put a barrier of the four warps between them
+        (it cannot tell that the two slices do not overlap), two a chunk, so every chunk waited
+        for its loads, its arithmetic and its stores in turn. That version took 191.9 us at
+        GPT-2's shape, against 162.8 for cuBLAS's product and gelu.py's pass (record
+        kernels-dgelu-h200); with only loads from shared memory nothing separates the chunks. (A
+        first version read Z from global memory in the partition: 216.4 us,
+        benchmarks/NOTES-train.md.)"""
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
         EXTRA_N: gl.constexpr = c2_desc.block_type.shape[1]
@@ -308,6 +325,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         # shuffles within a warp (a sum across warps went through shared memory, and spilled).
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 4], [1, 0])    # 8 rows x 128 columns
         layout2: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 4], [1, 0])   # 8 rows x 64 columns
+        dtype: gl.constexpr = c_desc.dtype
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N + EXTRA_N)
         num_tiles = num_pid_m * num_pid_n
@@ -321,31 +339,26 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             mbarrier.wait(z_ready, t & 1)   # dH handed over
             mbarrier.wait(z_loaded, t & 1)  # Z arrived
             for r in gl.static_range(CHUNKS):
-                part = c_smem.slice(r * ROWS, ROWS)
-                dz = part.load(layout).to(gl.float32) * _gelu_grad(z_smem.slice(r * ROWS, ROWS).load(layout).to(gl.float32))
-                part.store(dz.to(c_desc.dtype))
-                part2 = c2_smem.slice(r * ROWS, ROWS)
-                dz2 = part2.load(layout2).to(gl.float32) * _gelu_grad(
+                dz = c_smem.slice(r * ROWS, ROWS).load(layout).to(gl.float32) * _gelu_grad(
+                    z_smem.slice(r * ROWS, ROWS).load(layout).to(gl.float32))
+                _store_rows(out_ptr, dz.to(dtype), off_m, r * ROWS, off_n, M, N, ROWS, BLOCK_N, layout)
+                dz2 = c2_smem.slice(r * ROWS, ROWS).load(layout2).to(gl.float32) * _gelu_grad(
                     z2_smem.slice(r * ROWS, ROWS).load(layout2).to(gl.float32))
-                part2.store(dz2.to(c2_desc.dtype))
+                _store_rows(out_ptr, dz2.to(dtype), off_m, r * ROWS, off_n + BLOCK_N, M, N, ROWS, EXTRA_N, layout2)
                 if HAS_BIAS:  # rows past M hold dH = 0 (TMA read zeros there), so they add nothing
                     acc += dz
                     acc2 += dz2
-            fence_async_shared()
-            _sync_partition()  # all four warps' rows are in place, and Z has been read
-            if tile_id + step < num_tiles:  # the next tile's Z, arriving during its MMAs
+            _sync_partition()          # all four warps have read dH and Z ...
+            mbarrier.arrive(z_empty)   # ... so the MMA warps may hand over the next tile's dH
+            if tile_id + step < num_tiles:  # and the next tile's Z may come, during that tile's MMAs
                 _load_z_tile(z_desc, z2_desc, z_smem, z2_smem, z_loaded, tile_id + step, num_pid_m, num_pid_n,
                              GROUP_M)
-            tma_store(c_desc, [off_m, off_n], c_smem)
-            tma_store(c2_desc, [off_m, off_n + BLOCK_N], c2_smem)
-            if HAS_BIAS:  # one sum across the rows a tile, while the stores run
+            if HAS_BIAS:  # one sum across the rows a tile
                 pid_m = off_m // BLOCK_M
                 gl.store(part_ptr + cols_of(off_n, BLOCK_N, layout).to(gl.int64) * num_pid_m + pid_m,
                          gl.sum(acc, axis=0), mask=cols_of(off_n, BLOCK_N, layout) < N)
                 gl.store(part_ptr + cols_of(off_n + BLOCK_N, EXTRA_N, layout2).to(gl.int64) * num_pid_m + pid_m,
                          gl.sum(acc2, axis=0), mask=cols_of(off_n + BLOCK_N, EXTRA_N, layout2) < N)
-            tma.store_wait(pendings=0)
-            mbarrier.arrive(z_empty)  # the buffers are free for the next tile
             t += 1
 
     @gluon.jit
@@ -359,6 +372,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         c_desc, c2_desc,                    # ... of C (M, N), two box widths
         z_desc, z2_desc,                    # ... of Z (M, N): written if EPILOGUE == 1, read if EPILOGUE == 2
         bias_ptr,                           # bias (N,), read only if HAS_BIAS and EPILOGUE < 2
+        out_ptr,                            # C's memory (M, N), contiguous: EPILOGUE 1 and 2 write C through it
         part_ptr,                           # (N, cdiv(M, BLOCK_M)) fp32, written only if EPILOGUE == 2 and HAS_BIAS
         M, N, K,
         HAS_BIAS: gl.constexpr,             # EPILOGUE < 2: add bias; EPILOGUE == 2: sum dZ's columns into part
@@ -407,7 +421,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                 (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, B_ROW_MAJOR,
                              GROUP_M, STAGES)),
                 (_gelu_grad_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_smem, z2_smem, z_ready,
-                                        z_empty, z_loaded, part_ptr, M, N, HAS_BIAS, GROUP_M)),
+                                        z_empty, z_loaded, out_ptr, part_ptr, M, N, HAS_BIAS, GROUP_M)),
             ], [1, 4], [40, 96])
         elif EPILOGUE == 1:
             gl.warp_specialize([
@@ -416,7 +430,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                                   num_warps)),
                 (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, B_ROW_MAJOR,
                              GROUP_M, STAGES)),
-                (_gelu_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, M, N,
+                (_gelu_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, out_ptr, M, N,
                                    GROUP_M)),
             ], [1, 4], [40, 96])
         else:
@@ -536,7 +550,7 @@ def _layouts7(dtype, row_major_b=False):
     return layouts + layouts[3:5]
 
 
-N_TENSORS = 9  # the arguments that change from call to call: seven descriptors, the bias, the partial sums
+N_TENSORS = 10  # the arguments that change from call to call: seven descriptors, the bias, C, the partial sums
 # EPILOGUE 2 keeps a tile of Z in shared memory beside C's: three load stages instead of four fit beside it.
 STAGES_GELU_BACKWARD = 3
 
@@ -555,7 +569,7 @@ def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, par
                   zip(ws_tensors(a, b, c, z if epilogue else None), _layouts7(a.dtype, row_major_b)))
     tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N + EXTRA_N)
     grid = (min(num_programs or num_sms, tiles),)
-    args = (*descs, bias if bias is not None else c, part if part is not None else c, M, N, K)
+    args = (*descs, bias if bias is not None else c, c, part if part is not None else c, M, N, K)
     has_bias = part is not None if epilogue == 2 else bias is not None
     kwargs = dict(HAS_BIAS=has_bias, EPILOGUE=epilogue, B_ROW_MAJOR=row_major_b, GROUP_M=GROUP_M,
                   STAGES=STAGES_GELU_BACKWARD if epilogue == 2 else STAGES, num_warps=NUM_WARPS)
@@ -574,7 +588,7 @@ def launch(a, b, c, bias=None):
     row_major_b = kwargs["B_ROW_MAJOR"]  # the same for every call of this signature (strides are in it)
 
     def replay(a, b, c, bias, z):  # seven host-built descriptors, the bias, then c for the unused table
-        remembered(a.device.index, *lean_descriptors(a, b, c, None, row_major_b), bias if bias is not None else c, c)
+        remembered(a.device.index, *lean_descriptors(a, b, c, None, row_major_b), bias if bias is not None else c, c, c)
     return replay
 
 
@@ -616,7 +630,7 @@ def gelu_forward(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
            None if bias is None else (bias.dtype, bias.stride(), bias.data_ptr() % 16))
     remembered = _GELU_LAUNCHES.get(key) if lean_launch_enabled() else None  # the switches, read at every call
     if remembered is not None:
-        remembered(a.device.index, *lean_descriptors(a, w.t(), y, z, False), bias if bias is not None else y, y)
+        remembered(a.device.index, *lean_descriptors(a, w.t(), y, z, False), bias if bias is not None else y, y, y)
         return y, z
     jit_fn, compiled, grid, args, kwargs = ws_launch(a, w.t(), y, bias, env.num_sms(a.device), epilogue=1, z=z)
     if lean_launch_enabled():
@@ -666,7 +680,7 @@ def gelu_backward_fused(g: torch.Tensor, w: torch.Tensor, z: torch.Tensor, with_
            with_bias, num_programs)
     remembered = _GELU_GRAD_LAUNCHES.get(key) if lean_launch_enabled() else None
     if remembered is not None:
-        remembered(g.device.index, *lean_descriptors(g, w, dz, z, True), dz, part if with_bias else dz)
+        remembered(g.device.index, *lean_descriptors(g, w, dz, z, True), dz, dz, part if with_bias else dz)
     else:
         jit_fn, compiled, grid, args, kwargs = ws_launch(g, w, dz, None, env.num_sms(g.device), num_programs,
                                                          epilogue=2, z=z, part=part)
