@@ -228,15 +228,11 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _gelu_partition(c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, out_ptr, M, N,
+    def _gelu_partition(c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, M, N,
                         GROUP_M: gl.constexpr):
-        """EPILOGUE == 1, four warps: for each tile the MMA warps hand over Z (in c_smem / c2_smem);
-        a TMA store writes Z out while these warps read it too and write gelu(Z) from registers
-        straight to out (M, N) in global memory; then the buffers go back. It runs beside the next
-        tile's MMAs, so GELU's arithmetic costs no tensor-core time. (gelu(Z) does not go back
-        into the buffers for a second TMA store: a store into a buffer that a later chunk loads
-        from makes the compiler put a barrier of the four warps between them, so the chunks would
-        run one after another; see _gelu_grad_partition.)"""
+        """EPILOGUE == 1, four warps: for each tile the MMA warps hand over (Z in c_smem / c2_smem),
+        store Z, then gelu(Z) in place of it, and hand the buffers back. It runs beside the next
+        tile's MMAs, so GELU's arithmetic costs no tensor-core time."""
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
         EXTRA_N: gl.constexpr = c2_desc.block_type.shape[1]
@@ -244,7 +240,6 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         ROWS: gl.constexpr = 32
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])   # 8 rows x 128 columns
         layout2: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # 16 rows x 64 columns
-        dtype: gl.constexpr = c_desc.dtype
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N + EXTRA_N)
         t = 0
@@ -253,14 +248,19 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             mbarrier.wait(z_ready, t & 1)
             tma_store(z_desc, [off_m, off_n], c_smem)
             tma_store(z2_desc, [off_m, off_n + BLOCK_N], c2_smem)
-            for r in gl.static_range(BLOCK_M // ROWS):
-                y = _gelu(c_smem.slice(r * ROWS, ROWS).load(layout).to(gl.float32))
-                _store_rows(out_ptr, y.to(dtype), off_m, r * ROWS, off_n, M, N, ROWS, BLOCK_N, layout)
-                y2 = _gelu(c2_smem.slice(r * ROWS, ROWS).load(layout2).to(gl.float32))
-                _store_rows(out_ptr, y2.to(dtype), off_m, r * ROWS, off_n + BLOCK_N, M, N, ROWS, EXTRA_N, layout2)
             tma.store_wait(pendings=0)  # the thread that issued the stores: Z has been read out of the buffers
-            _sync_partition()           # ... and every warp has read its rows
-            mbarrier.arrive(z_empty)    # the buffers are free for the next tile's Z
+            _sync_partition()           # ... and every warp knows it before overwriting them
+            for r in gl.static_range(BLOCK_M // ROWS):
+                part = c_smem.slice(r * ROWS, ROWS)
+                part.store(_gelu(part.load(layout).to(gl.float32)).to(c_desc.dtype))
+                part2 = c2_smem.slice(r * ROWS, ROWS)
+                part2.store(_gelu(part2.load(layout2).to(gl.float32)).to(c2_desc.dtype))
+            fence_async_shared()
+            _sync_partition()  # all four warps' rows are in place before the stores read them
+            tma_store(c_desc, [off_m, off_n], c_smem)
+            tma_store(c2_desc, [off_m, off_n + BLOCK_N], c2_smem)
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(z_empty)  # the buffers are free for the next tile's Z
             t += 1
 
     @gluon.jit
@@ -302,29 +302,32 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
     @gluon.jit
     def _gelu_grad_partition(c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_smem, z2_smem, z_ready, z_empty,
                              z_loaded, out_ptr, part_ptr, M, N, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr):
-        """EPILOGUE == 2, four warps: for each tile the MMA warps hand over dH = dOut W (in c_smem /
+        """EPILOGUE == 2, eight warps: for each tile the MMA warps hand over dH = dOut W (in c_smem /
         c2_smem); dZ = dH * gelu'(Z) goes from registers straight to out (M, N) in global memory;
         with HAS_BIAS each column's sum of the fp32 dZ over the tile's rows goes to part
         (N, cdiv(M, BLOCK_M)) at [column, tile row].
         Z comes by TMA into shared memory of its own: the next tile's load starts as soon as this
         tile's Z has been read, so it arrives while that tile's MMAs run.
-        Why dZ does not go back through shared memory and a TMA store: a store into a buffer that
-        a later chunk loads from makes the compiler put a barrier of the four warps between them
-        (it cannot tell that the two slices do not overlap), two a chunk, so every chunk waited
-        for its loads, its arithmetic and its stores in turn. That version took 191.9 us at
-        GPT-2's shape, against 162.8 for cuBLAS's product and gelu.py's pass (record
-        kernels-dgelu-h200); with only loads from shared memory nothing separates the chunks. (A
-        first version read Z from global memory in the partition: 216.4 us,
-        benchmarks/NOTES-train.md.)"""
+        Why this shape (the measurements are in benchmarks/NOTES-train.md):
+        * dZ goes to global memory from registers, not back into the staging buffers for a TMA
+          store: a store into a buffer that a later chunk loads from makes the compiler put a
+          barrier of the partition's warps between them (it cannot tell that the two slices do
+          not overlap), two a chunk, so each chunk's loads, arithmetic and stores ran in turn.
+          That version took 191.9 us at GPT-2's shape on the H200, against 162.8 us for cuBLAS's
+          product and gelu.py's pass (record kernels-dgelu-h200).
+        * Eight warps of 64 registers, not four of 96: the arithmetic (about 30 instructions an
+          element) waits on its own latency, not on issue, and twice the warps hide more of it.
+        (A first version read Z from global memory in the partition: 216.4 us.)"""
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
         EXTRA_N: gl.constexpr = c2_desc.block_type.shape[1]
-        ROWS: gl.constexpr = 8  # row chunks of ROWS x BLOCK_N (and ROWS x EXTRA_N): 8 and 4 values a thread
+        ROWS: gl.constexpr = 8  # row chunks of ROWS x BLOCK_N (and ROWS x EXTRA_N): 4 and 2 values a thread
         CHUNKS: gl.constexpr = BLOCK_M // ROWS
-        # Each warp owns a quarter of the columns and all ROWS rows, so the column sums need only
-        # shuffles within a warp (a sum across warps went through shared memory, and spilled).
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 4], [1, 0])    # 8 rows x 128 columns
-        layout2: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 4], [1, 0])   # 8 rows x 64 columns
+        # Eight warps, each owning an eighth of the columns and all ROWS rows, so the column sums
+        # need only shuffles within a warp (a sum across warps went through shared memory, and
+        # spilled).
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 8], [1, 0])    # 8 rows x 128 columns
+        layout2: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [1, 8], [1, 0])   # 8 rows x 64 columns
         dtype: gl.constexpr = c_desc.dtype
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N + EXTRA_N)
@@ -372,7 +375,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         c_desc, c2_desc,                    # ... of C (M, N), two box widths
         z_desc, z2_desc,                    # ... of Z (M, N): written if EPILOGUE == 1, read if EPILOGUE == 2
         bias_ptr,                           # bias (N,), read only if HAS_BIAS and EPILOGUE < 2
-        out_ptr,                            # C's memory (M, N), contiguous: EPILOGUE 1 and 2 write C through it
+        out_ptr,                            # C's memory (M, N), contiguous: EPILOGUE 2 writes C through it
         part_ptr,                           # (N, cdiv(M, BLOCK_M)) fp32, written only if EPILOGUE == 2 and HAS_BIAS
         M, N, K,
         HAS_BIAS: gl.constexpr,             # EPILOGUE < 2: add bias; EPILOGUE == 2: sum dZ's columns into part
@@ -404,9 +407,9 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         mbarrier.init(z_empty, count=1)
         fence_async_shared()  # the initialised barriers, visible to the TMA unit
         # The producer: 1 warp, 40 registers a thread; for EPILOGUE == 1 the GELU partition: 4 warps,
-        # 96 registers a thread; for EPILOGUE == 2 GELU's backward: 4 warps, 96 registers as well (at
-        # 128 the MMA warps' 168 spilled 12 bytes; at 96 they get 184, and neither spills); the MMA
-        # warps get the rest. The three lists repeat the first two partitions because the JIT can
+        # 96 registers a thread (at 128 the MMA warps' 168 spilled 12 bytes; at 96 they get 184, and
+        # neither spills); for EPILOGUE == 2 GELU's backward: 8 warps of 64 registers (the MMA warps
+        # then get 152, without spilling: ptxas, ahead of time for sm_90). The MMA warps get the rest. The three lists repeat the first two partitions because the JIT can
         # hold neither a function nor (keeping it constexpr) a constexpr argument in a variable.
         if EPILOGUE == 2:
             z_smem = gl.allocate_shared_memory(dtype, z_desc.block_type.shape, z_desc.layout)
@@ -422,7 +425,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                              GROUP_M, STAGES)),
                 (_gelu_grad_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_smem, z2_smem, z_ready,
                                         z_empty, z_loaded, out_ptr, part_ptr, M, N, HAS_BIAS, GROUP_M)),
-            ], [1, 4], [40, 96])
+            ], [1, 8], [40, 64])
         elif EPILOGUE == 1:
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem,
@@ -430,7 +433,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                                   num_warps)),
                 (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, B_ROW_MAJOR,
                              GROUP_M, STAGES)),
-                (_gelu_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, out_ptr, M, N,
+                (_gelu_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, M, N,
                                    GROUP_M)),
             ], [1, 4], [40, 96])
         else:
