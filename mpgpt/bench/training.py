@@ -250,8 +250,8 @@ LADDER = [
 # it in two runs, records train-peers-emb-h200 and train-peers-emb-2-h200: within the spread between
 # runs, so the ladder keeps its last rung), the "+streamk-dw" rows (alone, the
 # stream-K kernel was slower than cuBLAS on the MLP's weight gradients, record kernels-grads-h200) and
-# the "+gelu-epilogue" rows (the epilogue's first version took 216.4 us against 161.4 us for cuBLAS and
-# the pass; the current one is not timed yet, benchmarks/NOTES-train.md).
+# the "+gelu-epilogue" rows (the epilogue's first two versions were slower than cuBLAS and the pass,
+# record kernels-dgelu-h200; the current one has not been timed in the step, benchmarks/NOTES-train.md).
 FASTEST = [
     "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+step-graph+no-mix-order",
     "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+fused-ln+step-graph+no-mix-order",

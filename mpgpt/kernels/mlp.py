@@ -29,11 +29,12 @@ by the MMA warps themselves, made that product take 183.6 us on the H200 against
 it: no faster than the product followed by the separate passes (185.7 us), because the tensor
 cores waited while gelu' (about fifteen fp32 operations per element) ran. The form here hands each
 tile of dH to a partition of four other warps, as the forward's GELU epilogue does, so that gelu'
-and the column sums run beside the next tile's MMAs. Its first version, which read Z from global
-memory in those warps, was still slower on the H200: 216.4 us against 161.4 us for cuBLAS's
-product and the separate pass at GPT-2's shape (the four warps did not keep up with the MMAs;
-benchmarks/NOTES-train.md). The version here brings Z in by TMA, a tile ahead; it has not been
-timed yet, so "pass" is the default. The memory kept for the backward pass is what the unfused
+and the column sums run beside the next tile's MMAs. Its first two versions were still slower on
+the H200 at GPT-2's shape: 216.4 us (Z read from global memory) and 191.9 us (Z brought in by TMA,
+dZ stored through shared memory) against 161.4 and 162.8 us for cuBLAS's product and the separate
+pass (record kernels-dgelu-h200; benchmarks/NOTES-train.md has why). The version here has eight
+warps write dZ from registers: 145.9 us against 180.6 us in a probe on an H100. It has not been
+timed in the training step yet, so "pass" is the default. The memory kept for the backward pass is what the unfused
 module keeps: x, Z and Y.
 
 Where the Gluon kernel cannot run (no sm_90, no Gluon, odd alignment) the custom operator computes
