@@ -33,8 +33,9 @@ and the column sums run beside the next tile's MMAs. Its first two versions were
 the H200 at GPT-2's shape: 216.4 us (Z read from global memory) and 191.9 us (Z brought in by TMA,
 dZ stored through shared memory) against 161.4 and 162.8 us for cuBLAS's product and the separate
 pass (record kernels-dgelu-h200; benchmarks/NOTES-train.md has why). The version here has eight
-warps write dZ from registers: 145.9 us against 180.6 us in a probe on an H100. It has not been
-timed in the training step yet, so "pass" is the default. The memory kept for the backward pass is what the unfused
+warps write dZ from registers: 144.5 us against 179.2 us on an H100 (record
+kernels-dgelu-eight-warps-h100). It has not been timed in the training step yet, so "pass" is the
+default. The memory kept for the backward pass is what the unfused
 module keeps: x, Z and Y.
 
 Where the Gluon kernel cannot run (no sm_90, no Gluon, odd alignment) the custom operator computes
