@@ -28,11 +28,12 @@ GELU's backward can also go into the epilogue of dOut W_proj, as llm.c does (gel
 by the MMA warps themselves, made that product take 183.6 us on the H200 against 93.3 us without
 it: no faster than the product followed by the separate passes (185.7 us), because the tensor
 cores waited while gelu' (about fifteen fp32 operations per element) ran. The form here hands each
-tile of dH to a partition of four other warps, as the forward's GELU epilogue does, so that gelu'
-and the column sums run beside the next tile's MMAs. Its first two versions were still slower on
-the H200 at GPT-2's shape: 216.4 us (Z read from global memory) and 191.9 us (Z brought in by TMA,
-dZ stored through shared memory) against 161.4 and 162.8 us for cuBLAS's product and the separate
-pass (record kernels-dgelu-h200; benchmarks/NOTES-train.md has why). The version here has eight
+tile of dH to a partition of other warps, as the forward's GELU epilogue does, so that gelu' and
+the column sums run beside the next tile's MMAs. Its first two versions were still slower on the
+H200 at GPT-2's shape: 216.4 us with Z read from global memory, against 161.4 us for cuBLAS's
+product and the separate pass (a probe, benchmarks/NOTES-train.md), and 191.9 us with Z brought
+in by TMA and dZ stored through shared memory, against 162.8 us (record kernels-dgelu-h200).
+NOTES-train has why both were slow. The version here has eight
 warps write dZ from registers: 144.5 us against 179.2 us on an H100 (record
 kernels-dgelu-eight-warps-h100). It has not been timed in the training step yet, so "pass" is the
 default. The memory kept for the backward pass is what the unfused

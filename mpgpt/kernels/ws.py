@@ -214,7 +214,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                 mbarrier.wait(z_empty, (t & 1) ^ 1)  # the partition is done with the last tile
                 c_smem.store(y.to(c_desc.dtype))
                 c2_smem.store(y2.to(c2_desc.dtype))
-                fence_async_shared()  # the stores above, visible to the TMA unit
+                fence_async_shared()  # the stores above, visible to the TMA unit (EPILOGUE 1 stores Z by TMA)
                 _sync_partition()     # every warp has stored its rows before one thread arrives
                 mbarrier.arrive(z_ready)
                 t += 1
@@ -352,7 +352,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                 if HAS_BIAS:  # rows past M hold dH = 0 (TMA read zeros there), so they add nothing
                     acc += dz
                     acc2 += dz2
-            _sync_partition()          # all four warps have read dH and Z ...
+            _sync_partition()          # all eight warps have read dH and Z ...
             mbarrier.arrive(z_empty)   # ... so the MMA warps may hand over the next tile's dH
             if tile_id + step < num_tiles:  # and the next tile's Z may come, during that tile's MMAs
                 _load_z_tile(z_desc, z2_desc, z_smem, z2_smem, z_loaded, tile_id + step, num_pid_m, num_pid_n,
@@ -408,10 +408,11 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         mbarrier.init(z_empty, count=1)
         fence_async_shared()  # the initialised barriers, visible to the TMA unit
         # The producer: 1 warp, 40 registers a thread; for EPILOGUE == 1 the GELU partition: 4 warps,
-        # 96 registers a thread (at 128 the MMA warps' 168 spilled 12 bytes; at 96 they get 184, and
-        # neither spills); for EPILOGUE == 2 GELU's backward: 8 warps of 64 registers (the MMA warps
-        # then get 152, without spilling: ptxas, ahead of time for sm_90). The MMA warps get the rest. The three lists repeat the first two partitions because the JIT can
-        # hold neither a function nor (keeping it constexpr) a constexpr argument in a variable.
+        # 96 registers a thread; for EPILOGUE == 2 GELU's backward: 8 warps of 64 registers (the MMA
+        # warps then get 152 and do not spill: ptxas, ahead of time for sm_90; its earlier 4-warp
+        # form at 128 left them 168, which spilled 12 bytes). The MMA warps get the rest. The three
+        # lists repeat the first two partitions because the JIT can hold neither a function nor
+        # (keeping it constexpr) a constexpr argument in a variable.
         if EPILOGUE == 2:
             z_smem = gl.allocate_shared_memory(dtype, z_desc.block_type.shape, z_desc.layout)
             z2_smem = gl.allocate_shared_memory(dtype, z2_desc.block_type.shape, z2_desc.layout)
@@ -591,7 +592,7 @@ def launch(a, b, c, bias=None):
         return None
     row_major_b = kwargs["B_ROW_MAJOR"]  # the same for every call of this signature (strides are in it)
 
-    def replay(a, b, c, bias, z):  # seven host-built descriptors, the bias, then c for the unused table
+    def replay(a, b, c, bias, z):  # seven host-built descriptors, the bias, then c as C's pointer and the unused table
         remembered(a.device.index, *lean_descriptors(a, b, c, None, row_major_b), bias if bias is not None else c, c, c)
     return replay
 
