@@ -49,8 +49,9 @@ gelu'(Z) and the bias gradient's column sums, in a partition of eight warps that
 from shared memory, Z brought there by TMA a tile ahead with three load stages instead of four to
 make room, and writes dZ from registers). On an H100 it took 144.5 us at GPT-2's shape against
 179.2 us for cuBLAS's product and gelu.py's pass (record kernels-dgelu-eight-warps-h100; earlier
-versions and why they were slower: _gelu_grad_partition, benchmarks/NOTES-train.md). It has not been timed in the training
-step yet, so the MLP uses it only when asked (kernels/mlp.py, gelu_backward="epilogue").
+versions and why they were slower: _gelu_grad_partition, benchmarks/NOTES-train.md). It has not
+been timed in the training step yet, so the MLP uses it only when asked (kernels/mlp.py,
+gelu_backward="epilogue").
 Everything else goes to the TMA kernel (tma.py) or the grouped kernel (grouped.py); `matmul.plan` decides,
 using `ws_eligible` and `ws_preferred`. Gluon kernels run only compiled (there is no interpreter
 for them); where Gluon is missing, WS_IMPORT_ERROR says why and nothing here is used.
