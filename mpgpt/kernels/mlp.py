@@ -33,11 +33,10 @@ the column sums run beside the next tile's MMAs. Its first two versions were sti
 H200 at GPT-2's shape: 216.4 us with Z read from global memory, against 161.4 us for cuBLAS's
 product and the separate pass (a probe, benchmarks/NOTES-train.md), and 191.9 us with Z brought
 in by TMA and dZ stored through shared memory, against 162.8 us (record kernels-dgelu-h200).
-NOTES-train has why both were slow. The version here has eight
-warps write dZ from registers: 144.5 us against 179.2 us on an H100 (record
-kernels-dgelu-eight-warps-h100). It has not been timed in the training step yet, so "pass" is the
-default. The memory kept for the backward pass is what the unfused
-module keeps: x, Z and Y.
+NOTES-train has why both were slow. The version here has eight warps write dZ from registers:
+144.5 us against 179.2 us on an H100 (record kernels-dgelu-eight-warps-h100). It has not been
+timed in the training step yet, so "pass" is the default. The memory kept for the backward pass
+is what the unfused module keeps: x, Z and Y.
 
 Where the Gluon kernel cannot run (no sm_90, no Gluon, odd alignment) the custom operator computes
 the same thing with torch ops, so the module works everywhere and its autograd is tested on the
