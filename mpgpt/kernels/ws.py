@@ -230,39 +230,39 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _gelu_partition(c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, out_ptr, M, N,
+    def _gelu_partition(c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, M, N,
                         GROUP_M: gl.constexpr):
-        """EPILOGUE == 1, eight warps: for each tile the MMA warps hand over Z (in c_smem / c2_smem);
-        Z goes out by TMA while these warps compute gelu(Z) chunk by chunk and store it from
-        registers straight to out (M, N) in global memory; once the TMA stores have read the
-        buffers they go back to the MMA warps. It runs beside the next tile's MMAs, so GELU's
-        arithmetic costs no tensor-core time.
-        The same shape as _gelu_grad_partition, for the same reasons: nothing is written back into
-        the buffers the chunks read (which made the compiler put barriers between chunks), and
-        eight warps of 64 registers hide more of the arithmetic's latency than four of 96."""
+        """EPILOGUE == 1, four warps: for each tile the MMA warps hand over (Z in c_smem / c2_smem),
+        store Z, then gelu(Z) in place of it, and hand the buffers back. It runs beside the next
+        tile's MMAs, so GELU's arithmetic costs no tensor-core time."""
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
         EXTRA_N: gl.constexpr = c2_desc.block_type.shape[1]
-        ROWS: gl.constexpr = 8  # row chunks of ROWS x BLOCK_N (and ROWS x EXTRA_N): 4 and 2 values a thread
-        layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 8], [1, 0])    # 8 rows x 128 columns
-        layout2: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [1, 8], [1, 0])   # 8 rows x 64 columns
-        dtype: gl.constexpr = c_desc.dtype
+        # Row chunks of ROWS x BLOCK_N (and ROWS x EXTRA_N): 32 and 16 values a thread.
+        ROWS: gl.constexpr = 32
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])   # 8 rows x 128 columns
+        layout2: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # 16 rows x 64 columns
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N + EXTRA_N)
         t = 0
         for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
             off_m, off_n = tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N + EXTRA_N)
             mbarrier.wait(z_ready, t & 1)
-            tma_store(z_desc, [off_m, off_n], c_smem)  # Z out, while the chunks below read the same buffers
+            tma_store(z_desc, [off_m, off_n], c_smem)
             tma_store(z2_desc, [off_m, off_n + BLOCK_N], c2_smem)
-            for r in gl.static_range(BLOCK_M // ROWS):
-                y = _gelu(c_smem.slice(r * ROWS, ROWS).load(layout).to(gl.float32))
-                _store_rows(out_ptr, y.to(dtype), off_m, r * ROWS, off_n, M, N, ROWS, BLOCK_N, layout)
-                y2 = _gelu(c2_smem.slice(r * ROWS, ROWS).load(layout2).to(gl.float32))
-                _store_rows(out_ptr, y2.to(dtype), off_m, r * ROWS, off_n + BLOCK_N, M, N, ROWS, EXTRA_N, layout2)
             tma.store_wait(pendings=0)  # the thread that issued the stores: Z has been read out of the buffers
-            _sync_partition()           # ... and all eight warps have read their chunks
-            mbarrier.arrive(z_empty)    # the buffers are free for the next tile's Z
+            _sync_partition()           # ... and every warp knows it before overwriting them
+            for r in gl.static_range(BLOCK_M // ROWS):
+                part = c_smem.slice(r * ROWS, ROWS)
+                part.store(_gelu(part.load(layout).to(gl.float32)).to(c_desc.dtype))
+                part2 = c2_smem.slice(r * ROWS, ROWS)
+                part2.store(_gelu(part2.load(layout2).to(gl.float32)).to(c2_desc.dtype))
+            fence_async_shared()
+            _sync_partition()  # all four warps' rows are in place before the stores read them
+            tma_store(c_desc, [off_m, off_n], c_smem)
+            tma_store(c2_desc, [off_m, off_n + BLOCK_N], c2_smem)
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(z_empty)  # the buffers are free for the next tile's Z
             t += 1
 
     @gluon.jit
@@ -436,9 +436,9 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                                   num_warps)),
                 (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, B_ROW_MAJOR,
                              GROUP_M, STAGES)),
-                (_gelu_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, out_ptr, M,
-                                   N, GROUP_M)),
-            ], [1, 8], [32, 64])
+                (_gelu_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, M, N,
+                                   GROUP_M)),
+            ], [1, 4], [40, 96])
         else:
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem,
