@@ -36,8 +36,8 @@ pointers, sizes divisible by 16), so three 4-warp programs fit on a multiprocess
 moves its bytes at 1.75 TB/s, well below a copy's 4.3. (Compiled without those specialisations,
 the bf16 loads are 2-byte scalars and the count reads 255 with spills, which is not what runs.
 Making C a compile-time constant, to drop the padding chunk of a 768-wide row, takes 179 registers
-with them (181 with an fp32 weight), two programs per multiprocessor: not kept; so did splitting
-the row into a tile of two chunks and a tile of one, at 231.)
+with them (181 with an fp32 weight), two programs per multiprocessor: not kept. Splitting the row
+into a tile of two chunks and a tile of one took 231: not kept either.)
 
 A second kernel (config method "two-pass") holds (BLOCK_M, 256) tiles only, 72 registers a
 thread: it first walks each row for its two sums, then the columns chunk by chunk, reading dy and
