@@ -146,7 +146,9 @@ class CausalSelfAttention(nn.Module):
         mask = torch.tril(torch.ones(config.block_size, config.block_size, dtype=torch.bool))
         self.register_buffer("causal_mask", mask.view(1, 1, config.block_size, config.block_size), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, proj_bias: bool = True) -> torch.Tensor:
+        """proj_bias=False leaves c_proj's bias out, for a caller that adds it itself (GPT's fused
+        residual add, set_fused_layer_norm(bias_in_add=True))."""
         B, T, C = x.shape  # batch, sequence length, channels (n_embd)
         # The fused form never calls c_attn's forward: with hooks on it (or on every module), take
         # the plain path so that they run.
@@ -172,7 +174,7 @@ class CausalSelfAttention(nn.Module):
             y = self._math_attention(q, k, v, T)  # (B, nh, T, hs)
 
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side: (B, T, C)
-        return self.resid_dropout(self.c_proj(y))  # (B, T, C)
+        return self.resid_dropout(self.c_proj(y) if proj_bias else F.linear(y, self.c_proj.weight))  # (B, T, C)
 
     def _math_attention(self, q, k, v, T):
         """softmax(q k^T / sqrt(hs) + causal mask) v, spelled out."""
@@ -203,13 +205,15 @@ class MLP(nn.Module):
         # with GELU fused into c_fc's matmul.
         self.fused = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, proj_bias: bool = True) -> torch.Tensor:
+        """proj_bias=False leaves c_proj's bias out, as CausalSelfAttention.forward does."""
         # The fused form never calls c_fc's, act's or c_proj's forward: with hooks on them (or on
         # every module), take the plain path so that they run.
         if self.fused is not None and not any(_has_hooks(m) for m in (self.c_fc, self.act, self.c_proj, None)):
-            return self.dropout(self.fused(x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias))
+            return self.dropout(self.fused(x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
+                                           self.c_proj.bias if proj_bias else None))
         x = self.act(self.c_fc(x))  # (B, T, 4C)
-        return self.dropout(self.c_proj(x))  # (B, T, C)
+        return self.dropout(self.c_proj(x) if proj_bias else F.linear(x, self.c_proj.weight))  # (B, T, C)
 
 
 class Block(nn.Module):
@@ -264,6 +268,7 @@ class GPT(nn.Module):
         self.loss_chunk_rows = 0  # 0: full logits; see set_chunked_loss
         self.fused_loss = None  # the fused Triton loss function when on; see set_fused_loss
         self.fused_layer_norm = None  # residual add + LayerNorm with a one-pass backward; see set_fused_layer_norm
+        self.bias_in_add = False      # c_proj's bias added in that residual add; see set_fused_layer_norm
         self.fused_embedding = None  # the tied matrix's two gradients added in one place; see set_fused_embedding
 
         # GPT-2 / nanoGPT initialisation: N(0, 0.02) for weights, zeros for biases...
@@ -356,15 +361,28 @@ class GPT(nn.Module):
                                "registered on them (FSDP2's fully_shard adds some); call set_fused_layer_norm(False)")
         y = add_ln(x, None, blocks[0].ln_1)  # (B, T, C)
         for i, block in enumerate(blocks):
-            x, y = add_ln(x, block.attn(y), block.ln_2)  # x + attn(ln_1(x)), and its ln_2
+            a, bias = self._branch(block.attn, y)
+            x, y = add_ln(x, a, block.ln_2, branch_bias=bias)  # x + attn(ln_1(x)), and its ln_2
+            m, bias = self._branch(block.mlp, y)
             if i + 1 < len(blocks):
-                x, y = add_ln(x, block.mlp(y), blocks[i + 1].ln_1)  # x + mlp(ln_2(x)), and the next block's ln_1
+                x, y = add_ln(x, m, blocks[i + 1].ln_1, branch_bias=bias)  # x + mlp(ln_2(x)), the next block's ln_1
             else:
                 # ln_f's output goes to the loss, not a matmul: in the dtype nn.LayerNorm returns
                 # (fp32 under autocast, which runs LayerNorm in fp32), as the unfused model has it.
                 out = torch.float32 if torch.is_autocast_enabled(x.device.type) else x.dtype
-                x, y = add_ln(x, block.mlp(y), self.transformer.ln_f, out)
+                x, y = add_ln(x, m, self.transformer.ln_f, out, branch_bias=bias)
         return y
+
+    def _branch(self, branch: nn.Module, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(branch output, None), or with set_fused_layer_norm(bias_in_add=True), (the output without
+        c_proj's bias, that bias) for the residual add to add, where that is the same sum: c_proj a
+        plain nn.Linear with a bias and no hooks, and no dropout after it in training."""
+        proj = branch.c_proj
+        dropout = branch.resid_dropout if isinstance(branch, CausalSelfAttention) else branch.dropout
+        if (self.bias_in_add and type(proj) is nn.Linear and proj.bias is not None and not _has_hooks(proj)
+                and (dropout.p == 0 or not dropout.training)):
+            return branch(y, proj_bias=False), proj.bias
+        return branch(y), None
 
     def _tied_weight(self) -> torch.Tensor:
         """The matrix wte and lm_head share, for the fused embedding, which skips both modules' forward."""
@@ -529,13 +547,21 @@ class GPT(nn.Module):
         self.fused_embedding = tied_embedding
         return self
 
-    def set_fused_layer_norm(self, enable: bool = True) -> "GPT":
+    def set_fused_layer_norm(self, enable: bool = True, bias_in_add: bool = False) -> "GPT":
         """Run each residual add with the LayerNorm after it through
         ``mpgpt.kernels.layernorm.residual_layer_norm``: the same forward pass (torch ops, which
         torch.compile fuses), and LayerNorm's backward in one Triton pass on a GPU, its weight and
         bias gradients summed beside the input gradient. On a CPU the backward runs as torch ops.
         Activation checkpointing, when on, takes the unfused blocks. Raises a RuntimeError at
-        once where Triton is not installed. Returns self."""
+        once where Triton is not installed. Returns self.
+
+        bias_in_add: also leave each branch's c_proj bias out of its matmul and add it in the
+        residual add, x + (branch + bias). The sum is the same; the bias's gradient is then the
+        residual stream's gradient summed over the tokens, which LayerNorm's backward sums while
+        it writes that gradient, in place of a reduction of its own. Branches where the sums would
+        differ (dropout after c_proj in training, c_proj swapped for another layer or hooked) keep
+        their bias."""
+        self.bias_in_add = bool(enable and bias_in_add)
         if not enable:
             self.fused_layer_norm = None
             return self

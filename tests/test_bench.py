@@ -107,7 +107,7 @@ def test_the_gelu_epilogue_rows_differ_from_their_twins_only_there_and_build_tha
     """The two "+gelu-epilogue" rows are the "+fused-emb" rows with and without biases plus GELU's
     backward in the epilogue of dOut W_proj, and the trainer they build runs each MLP that way."""
     from mpgpt.kernels import mlp
-    rows = [name for name in training.TRAIN_CONFIGS if "+gelu-epilogue" in name]
+    rows = [name for name in training.TRAIN_CONFIGS if "+gelu-epilogue" in name and "+bias-in-add" not in name]
     assert len(rows) == 2 and any("nobias" in name for name in rows), rows
     for name in rows:
         twin = training.TRAIN_CONFIGS[name.replace("+gelu-epilogue", "")]
@@ -116,6 +116,27 @@ def test_the_gelu_epilogue_rows_differ_from_their_twins_only_there_and_build_tha
                                   cuda_graph=False, optim16=None, precision="fp32", steps=1)
     assert all(block.mlp.fused.func is mlp.gelu_mlp and block.mlp.fused.keywords == {"gelu_backward": "epilogue"}
                for block in built.model.transformer.h)
+
+
+def test_the_bias_in_add_row_differs_from_its_twin_only_there_and_moves_every_c_proj_bias():
+    """The "+bias-in-add" row is the fastest row with biases plus c_proj's biases added in the fused
+    residual add, and the trainer it builds moves all of them there (every residual add after the
+    first LayerNorm gets one)."""
+    rows = [name for name in training.TRAIN_CONFIGS if "+bias-in-add" in name]
+    assert len(rows) == 1
+    twin = training.TRAIN_CONFIGS[rows[0].replace("+bias-in-add", "")]
+    assert training.TRAIN_CONFIGS[rows[0]] == {**twin, "bias_in_add": True}
+    built = training.make_trainer(rows[0], preset="tiny", batch_size=2, block_size=16, device="cpu", compile=False,
+                                  cuda_graph=False, optim16=None, precision="fp32", steps=1)
+    model, seen = built.model, []
+    add_ln = model.fused_layer_norm
+    model.fused_layer_norm = lambda *a, branch_bias=None, **k: seen.append(branch_bias) or add_ln(
+        *a, branch_bias=branch_bias, **k)
+    idx = torch.randint(0, model.config.vocab_size, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(idx)
+    biases = [m.c_proj.bias for b in model.transformer.h for m in (b.attn, b.mlp)]
+    assert seen[0] is None and len(seen) == 1 + len(biases) and all(a is b for a, b in zip(seen[1:], biases))
 
 
 def test_the_ladder_is_one_change_per_rung_and_expands_from_its_name():

@@ -73,6 +73,27 @@ def test_layer_norm_backward_matches_float64(dtype, with_res, shape, config):
     assert rel_err(r_dw, ref_dw) < 1e-5 and rel_err(r_db, ref_db) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_res", [True, False])
+@pytest.mark.parametrize("shape,config", [((37, 48), (16, 8, 1)), ((37, 300), (16, 4, 1)), ((70, 48), None),
+                                          ((37, 300), (16, 4, 1, "two-pass"))])
+def test_layer_norm_backward_sums_dx_for_a_bias_added_into_x(dtype, with_res, shape, config):
+    """sum_dx: a fourth result, dx' (with dx'_res added) summed over the rows in fp32, the gradient
+    of a bias added into x'. Against float64, 1e-5 like dw and db (fp32 sums of fp32 terms); rows
+    past M (37 and 70 rows are not multiples of the rows per program) and padding columns (48 and
+    300 wide) must add nothing. dx', dw and db are the same bits as without sum_dx."""
+    x, dy, dres, w, b, mean, rstd = inputs(*shape, dtype, shift=3.0)
+    dres = dres if with_res else None
+    dx, dw, db, dbias = layernorm.layer_norm_backward(dy, x, mean, rstd, w, dres, config=config, sum_dx=True)
+    ref_dx, _, _ = float64_grads(x, dy, w, b, dres)
+    assert dbias.shape == (shape[1],) and dbias.dtype == torch.float32
+    assert rel_err(dbias, ref_dx.sum(0)) < 1e-5
+    plain = layernorm.layer_norm_backward(dy, x, mean, rstd, w, dres, config=config)
+    assert all(torch.equal(a, b) for a, b in zip((dx, dw, db), plain))
+    r_dbias = layernorm.layer_norm_backward_reference(dy, x, mean, rstd, w, dres, sum_dx=True)[3]
+    assert rel_err(r_dbias, ref_dx.sum(0)) < 1e-5
+
+
 def test_layer_norm_backward_reads_a_strided_weight():
     x, dy, dres, w, b, mean, rstd = inputs(20, 16, torch.float32)
     wide = torch.randn(32, device=DEVICE)
@@ -90,8 +111,9 @@ def test_the_custom_operators_pass_torch_opcheck(path, monkeypatch):
     monkeypatch.setattr(layernorm, "_triton_backward", lambda *t: path == "triton")
     monkeypatch.setattr(qkv, "_triton_merge", lambda t: path == "triton")
     x, dy, dres, w, b, mean, rstd = inputs(20, 48, torch.bfloat16)
-    torch.library.opcheck(layernorm.ln_backward_op, (dy, x, mean, rstd, w, dres, torch.float32))
-    torch.library.opcheck(layernorm.ln_backward_op, (dy, x, mean, rstd, w, None, torch.bfloat16))
+    torch.library.opcheck(layernorm.ln_backward_op, (dy, x, mean, rstd, w, dres, torch.float32, False))
+    torch.library.opcheck(layernorm.ln_backward_op, (dy, x, mean, rstd, w, None, torch.bfloat16, False))
+    torch.library.opcheck(layernorm.ln_backward_op, (dy, x, mean, rstd, w, dres, torch.bfloat16, True))
     dq, dk, dv = (torch.randn(2, 3, 7, 16, device=DEVICE).bfloat16() for _ in range(3))
     torch.library.opcheck(qkv.merge_heads_op, (dq, dk, dv, True, torch.bfloat16))
     torch.library.opcheck(qkv.merge_heads_op, (dq, dk, dv, False, torch.float32))
@@ -186,6 +208,42 @@ def test_residual_layer_norm_in_bf16_matches_float64(with_branch, bias, backward
             assert rel_err(t.grad, r) < TOL, f"{name}: {rel_err(t.grad, r):.2e}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_branch_bias_added_in_the_residual_add_gets_its_gradient(dtype, backward_path):
+    """x' = x + (branch + branch_bias): the bias a matmul left out, added here. Its gradient is
+    dx' summed over the rows; every gradient against float64 within TOL, as above. In fp32 under
+    bf16 autocast (the course's default), the bias and its gradient stay fp32."""
+    torch.manual_seed(2)
+    C = 48
+    ln = make_ln(C, dtype)
+    x = torch.randn(2, 30, C, device=DEVICE).to(dtype).requires_grad_()
+    branch = torch.randn(2, 30, C, device=DEVICE).bfloat16().requires_grad_()
+    bb = (0.5 * torch.randn(C, device=DEVICE)).to(dtype).requires_grad_()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=dtype == torch.float32):
+        xs, y = layernorm.residual_layer_norm(x, branch, ln, branch_bias=bb)
+    assert xs.dtype == dtype
+    grads_out = [torch.randn_like(xs), torch.randn_like(y)]
+    torch.autograd.backward((xs, y), grads_out)
+    leaves = [t.detach().double().requires_grad_() for t in (x, branch, bb, ln.weight, ln.bias)]
+    ref_xs = leaves[0] + leaves[1] + leaves[2]
+    ref_y = F.layer_norm(ref_xs, (C,), leaves[3], leaves[4], ln.eps)
+    torch.autograd.backward((ref_xs, ref_y), [g.double() for g in grads_out])
+    assert rel_err(xs, ref_xs) < TOL and rel_err(y, ref_y) < TOL
+    for name, t, r in zip(("x", "branch", "branch_bias", "weight", "bias"), (x, branch, bb, ln.weight, ln.bias),
+                          leaves):
+        assert t.grad is not None and t.grad.dtype == t.dtype, name
+        assert rel_err(t.grad, r.grad) < TOL, f"{name}: {rel_err(t.grad, r.grad):.2e}"
+
+
+def test_a_branch_bias_needs_a_branch_of_its_width():
+    ln = make_ln(8, torch.bfloat16)
+    x = torch.randn(3, 8, device=DEVICE).bfloat16()
+    with pytest.raises(ValueError, match="branch_bias must be a \\(8,\\) vector"):
+        layernorm.residual_layer_norm(x, None, ln, branch_bias=torch.zeros(8, device=DEVICE))
+    with pytest.raises(ValueError, match="branch_bias must be a \\(8,\\) vector"):
+        layernorm.residual_layer_norm(x, x, ln, branch_bias=torch.zeros(4, device=DEVICE))
+
+
 def test_under_autocast_fp32_parameters_get_fp32_gradients(backward_path):
     """An fp32 model under bf16 autocast: y comes back in bf16 (what the next matmul multiplies),
     x' in fp32 (the residual stream's dtype), and every gradient in its input's dtype."""
@@ -275,6 +333,69 @@ def test_an_fp32_model_under_autocast_gets_the_unfused_loss_and_gradients(backwa
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=0)
     for (name, a), b in zip(ref.named_parameters(), model.parameters()):
         assert rel_err(b.grad, a.grad.double()) < 2e-2, name
+
+
+def count_branch_biases(model, monkeypatch):
+    """A list that gets one entry per residual add, True where a c_proj bias was added there."""
+    seen, add_ln = [], model.fused_layer_norm
+
+    def spy(*args, branch_bias=None, **kwargs):
+        seen.append(branch_bias is not None)
+        return add_ln(*args, branch_bias=branch_bias, **kwargs)
+    monkeypatch.setattr(model, "fused_layer_norm", spy)
+    return seen
+
+
+@pytest.mark.parametrize("layers", [None, "mlp+qkv"])
+def test_bias_in_add_keeps_the_loss_and_the_gradients(layers, backward_path, monkeypatch):
+    """bias_in_add: every c_proj bias (two blocks, two branches each) moves into the residual add,
+    and a bf16 model's loss and gradients, c_proj's bias gradients among them, match the unfused
+    model's to bf16 accuracy (test_model's bounds: the bias is added after the matmul's output is
+    rounded, one more bf16 rounding), with and without the fused MLP and attention input."""
+    torch.manual_seed(6)
+    ref, model = small_model(torch.bfloat16), small_model(torch.bfloat16)
+    model.load_state_dict(ref.state_dict())
+    model.set_fused_layer_norm(True, bias_in_add=True)
+    if layers:
+        model.use_triton(layers=layers)
+    seen = count_branch_biases(model, monkeypatch)
+    assert_same_loss_and_gradients(ref, model, DEVICE)
+    assert seen == [False] + [True] * 4  # ln_1 of the first block has no branch
+    assert model.set_fused_layer_norm(False).bias_in_add is False
+
+
+def test_bias_in_add_under_autocast_keeps_fp32_bias_gradients(backward_path, monkeypatch):
+    """An fp32 model under bf16 autocast: the folded biases' gradients come back in fp32 and match
+    the unfused model's within the bounds of the test above (the bias is rounded to bf16 before it
+    is added in both, as autocast does for F.linear)."""
+    torch.manual_seed(7)
+    ref, model = small_model(torch.float32), small_model(torch.float32)
+    model.load_state_dict(ref.state_dict())
+    model.set_fused_layer_norm(True, bias_in_add=True)
+    seen = count_branch_biases(model, monkeypatch)
+    idx = torch.randint(0, 65, (2, 16), device=DEVICE)
+    losses = []
+    for m in (ref, model):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            _, loss = m(idx, idx.roll(1, 1))
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[1] - losses[0]) < 1e-2 * losses[0] and sum(seen) == 4
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert b.grad.dtype == torch.float32 and rel_err(b.grad, a.grad.double()) < 3e-2, name
+
+
+def test_bias_in_add_keeps_the_bias_where_dropout_follows_c_proj(monkeypatch):
+    """Dropout after c_proj in training: dropout(y W + b) is not dropout(y W) + b, so every
+    branch keeps its bias; in eval mode (no dropout) they move to the residual add."""
+    model = small_model(torch.float32, dropout=0.2).set_fused_layer_norm(True, bias_in_add=True)
+    seen = count_branch_biases(model, monkeypatch)
+    idx = torch.randint(0, 65, (2, 16), device=DEVICE)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        model(idx)
+        assert seen == [False] * 5
+        model.eval()(idx)
+    assert seen[5:] == [False] + [True] * 4
 
 
 def test_dropout_draws_the_same_masks_fused_and_unfused():

@@ -48,10 +48,11 @@ REFERENCE_PEAK = PEAK_BF16["H200"]
 # fused_emb: the token embedding's gradient added into the output layer's in place (GPT.set_fused_embedding).
 # mlp_dw: the fused MLP's two weight gradients on that matmul kernel instead of cuBLAS (GPT.use_triton's
 # weight_grad_kernel). gelu_epilogue: the fused MLP's GELU backward in the epilogue of dOut W_proj
-# (GPT.use_triton's gelu_backward="epilogue").
+# (GPT.use_triton's gelu_backward="epilogue"). bias_in_add: c_proj's biases added in the fused residual add,
+# their gradients summed by LayerNorm's backward (GPT.set_fused_layer_norm's bias_in_add).
 def _config(precision, scaler="none", compile=None, triton=False, bias=True, checkpointing=False, chunked_loss=0,
             attention="sdpa", clip=True, fused_loss=False, fused_clip=False, inductor=None, cuda_graph=False,
-            optim16=None, fused_ln=False, mlp_dw=None, fused_emb=False, gelu_epilogue=False):
+            optim16=None, fused_ln=False, mlp_dw=None, fused_emb=False, gelu_epilogue=False, bias_in_add=False):
     spec = dict(precision=precision, scaler=scaler, compile=compile, triton=triton, bias=bias,
                 checkpointing=checkpointing, chunked_loss=chunked_loss, attention=attention, clip=clip,
                 fused_loss=fused_loss)
@@ -71,6 +72,8 @@ def _config(precision, scaler="none", compile=None, triton=False, bias=True, che
         spec["fused_emb"] = True
     if gelu_epilogue:
         spec["gelu_epilogue"] = True
+    if bias_in_add:
+        spec["bias_in_add"] = True
     return spec
 
 
@@ -201,6 +204,12 @@ TRAIN_CONFIGS = {
     "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+fused-ln+fused-emb+gelu-epilogue+step-graph+no-mix-order":
         _config("bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
                 optim16="bf16-mantissa", triton="mlp", fused_ln=True, fused_emb=True, gelu_epilogue=True),
+    # ... and c_proj's biases added in the residual add, their gradients summed in LayerNorm's backward.
+    "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+bias-in-add+fused-emb+gelu-epilogue+step-graph"
+    "+no-mix-order":
+        _config("bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
+                optim16="bf16-mantissa", triton="mlp+qkv", fused_ln=True, fused_emb=True, gelu_epilogue=True,
+                bias_in_add=True),
     # ... with the MLP's two weight gradients (1.09 waves of 128 x 128 tiles on 132 SMs) on the
     # stream-K kernel (kernels/streamk.py) instead of cuBLAS, with and without GPT-2's biases.
     "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+streamk-dw+step-graph+no-mix-order": _config(
@@ -375,7 +384,7 @@ def make_trainer(name, preset="gpt2", batch_size=12, block_size=None, device=Non
     if spec["fused_loss"]:
         model.set_fused_loss(True)
     if spec.get("fused_ln"):
-        model.set_fused_layer_norm(True)
+        model.set_fused_layer_norm(True, bias_in_add=spec.get("bias_in_add", False))
     if spec.get("fused_emb"):
         model.set_fused_embedding(True)
     data = dataset if dataset is not None else SyntheticTokens(model.config.vocab_size, batch_size,

@@ -71,9 +71,11 @@ def _layer_norm_backward_kernel(
     w_ptr,                  # (C,) LayerNorm's weight
     res_ptr,                # (M, C) row-major: dx'_res, read only if HAS_RES
     dx_ptr,                 # (M, C) row-major: dx', written
-    part_ptr,               # (2, C, R) fp32: [0] dw's and [1] db's partial sum of column c over row group r
+    part_ptr,               # (2 or 3, C, R) fp32: [0] dw's, [1] db's and [2] (if SUM_DX) dx''s partial
+                            # sum of column c over row group r
     M, C, R,                # rows, columns, row groups (cdiv(M, ROWS))
     HAS_RES: tl.constexpr,
+    SUM_DX: tl.constexpr,   # also sum dx' over the rows: the gradient of a bias added into x'
     ROWS: tl.constexpr,     # rows per program, a multiple of BLOCK_M
     BLOCK_M: tl.constexpr,  # rows per loop iteration
     CHUNK: tl.constexpr,    # columns per chunk: 256 = one warp's 32 threads x 8 bf16 (16 bytes each)
@@ -91,6 +93,7 @@ def _layer_norm_backward_kernel(
     # over the rows each iteration measured 57.5 against 46.2 us on the H200).
     acc_w = tl.zeros((NCHUNK, BLOCK_M, CHUNK), dtype=tl.float32)          # sum of dy * xhat
     acc_b = tl.zeros((NCHUNK, BLOCK_M, CHUNK), dtype=tl.float32)          # sum of dy
+    acc_x = tl.zeros((NCHUNK, BLOCK_M, CHUNK), dtype=tl.float32)          # sum of dx' (SUM_DX only)
     for r in range(0, ROWS, BLOCK_M):
         rows = pid * ROWS + r + tl.arange(0, BLOCK_M)                       # (BLOCK_M,)
         row_ok = rows < M
@@ -110,10 +113,14 @@ def _layer_norm_backward_kernel(
         tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         acc_w += dy * xhat                                                  # masked elements are 0
         acc_b += dy
+        if SUM_DX:
+            acc_x += dx  # 0 in rows past M (rstd and dx'_res load as 0); padding columns are never stored
     part_cols = tl.arange(0, NCHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]  # (NCHUNK, CHUNK)
     part_ok = part_cols < C
     tl.store(part_ptr + part_cols * R + pid, tl.sum(acc_w, axis=1), mask=part_ok)
     tl.store(part_ptr + (C + part_cols) * R + pid, tl.sum(acc_b, axis=1), mask=part_ok)
+    if SUM_DX:
+        tl.store(part_ptr + (2 * C + part_cols) * R + pid, tl.sum(acc_x, axis=1), mask=part_ok)
 
 
 @triton.jit
@@ -122,6 +129,7 @@ def _layer_norm_backward_two_pass_kernel(
     stat_ptr,               # (2, M) fp32 scratch: [0] mean(g * xhat) and [1] mean(g) of each row
     M, C, R,
     HAS_RES: tl.constexpr,
+    SUM_DX: tl.constexpr,
     ROWS: tl.constexpr,     # rows per program, a multiple of BLOCK_M
     BLOCK_M: tl.constexpr,  # rows per loop iteration
     CHUNK: tl.constexpr,    # columns per loop iteration
@@ -162,6 +170,7 @@ def _layer_norm_backward_two_pass_kernel(
         w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc_w = tl.zeros((BLOCK_M, CHUNK), dtype=tl.float32)                  # sum of dy * xhat
         acc_b = tl.zeros((BLOCK_M, CHUNK), dtype=tl.float32)                  # sum of dy
+        acc_x = tl.zeros((BLOCK_M, CHUNK), dtype=tl.float32)                  # sum of dx' (SUM_DX only)
         for r in range(0, ROWS, BLOCK_M):
             rows = pid * ROWS + r + r_idx
             row_ok = rows < M
@@ -180,8 +189,12 @@ def _layer_norm_backward_two_pass_kernel(
             tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
             acc_w += dy * xhat
             acc_b += dy
+            if SUM_DX:
+                acc_x += dx                                                   # 0 in rows past M
         tl.store(part_ptr + cols * R + pid, tl.sum(acc_w, axis=0), mask=col_ok)
         tl.store(part_ptr + (C + cols) * R + pid, tl.sum(acc_b, axis=0), mask=col_ok)
+        if SUM_DX:
+            tl.store(part_ptr + (2 * C + cols) * R + pid, tl.sum(acc_x, axis=0), mask=col_ok)
 
 
 # (ROWS, BLOCK_M, num_warps) on a GPU: the fastest of ten in a sweep at GPT-2's (12288, 768) on the
@@ -194,24 +207,26 @@ _CHUNK = 256
 
 
 def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor,
-                        dres: Optional[Tensor] = None, config=None) -> tuple[Tensor, Tensor, Tensor]:
+                        dres: Optional[Tensor] = None, config=None, sum_dx: bool = False) -> tuple[Tensor, ...]:
     """(dx', dw, db) for y = LayerNorm(x') as the module docstring says, with dx'_res = ``dres``
-    added to dx' (None: nothing added).
+    added to dx' (None: nothing added). With ``sum_dx``, (dx', dw, db, dbias): dbias is dx' summed
+    over the rows in fp32, the gradient of a bias added into x' (see `residual_layer_norm`).
 
     dy, x, dres: (M, C) each; mean, rstd: (M,) fp32; weight: (C,). dx': a new contiguous (M, C)
     tensor in x's dtype; dw, db: (C,) fp32 (the two rows of one (2, C) tensor). `config`
     (ROWS, BLOCK_M, num_warps[, method]) overrides the tile sizes, for benchmarks; method
     "whole-rows" (the default kernel) or "two-pass" (the second kernel: row sums first, then the
     columns chunk by chunk)."""
-    dx, dwb = _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres, config)
-    return dx, dwb[0], dwb[1]
+    dx, dwb = _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres, config, sum_dx=sum_dx)
+    return (dx, *dwb.unbind(0))
 
 
 def _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres=None, config=None,
-                                dwb_dtype=torch.float32) -> tuple[Tensor, Tensor]:
-    """(dx', dwb) with dwb = stack([dw, db]), a (2, C) tensor in ``dwb_dtype`` (fp32 sums, rounded
-    once): what the custom operator returns (its outputs may not be views of one tensor, and one
-    launch of partials.sum_partials makes both rows)."""
+                                dwb_dtype=torch.float32, sum_dx=False) -> tuple[Tensor, Tensor]:
+    """(dx', dwb) with dwb = stack([dw, db]) (and dx''s column sums as a third row with ``sum_dx``),
+    a (2, C) or (3, C) tensor in ``dwb_dtype`` (fp32 sums, rounded once): what the custom operator
+    returns (its outputs may not be views of one tensor, and one launch of partials.sum_partials
+    makes every row)."""
     if x.dim() != 2 or dy.shape != x.shape or (dres is not None and dres.shape != x.shape):
         raise ValueError(f"dy, x and dres must be (M, C) matrices of one shape, got {tuple(dy.shape)}, {tuple(x.shape)}"
                          f" and {None if dres is None else tuple(dres.shape)}; reshape to (tokens, features) first")
@@ -233,38 +248,41 @@ def _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres=None, config=Non
         # The interpreter keeps bf16 as raw 16-bit integers and its arithmetic on them is wrong: widen first.
         dx, dwb = _layer_norm_backward_packed(dy.float(), x.float(), mean, rstd, weight.float(),
                                               None if dres is None else dres.float(), (rows, block_m, warps, method),
-                                              dwb_dtype)
+                                              dwb_dtype, sum_dx)
         return dx.to(x.dtype), dwb
     dy, x = dy.contiguous(), x.contiguous()
     dres = dres.contiguous() if dres is not None else None
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    tables = 3 if sum_dx else 2
     if M == 0 or C == 0:
-        return dx, torch.zeros((2, C), dtype=dwb_dtype, device=x.device)
+        return dx, torch.zeros((tables, C), dtype=dwb_dtype, device=x.device)
     R = triton.cdiv(M, rows)
-    part = torch.empty((2, C, R), dtype=torch.float32, device=x.device)  # each column's partial sums side by side
+    part = torch.empty((tables, C, R), dtype=torch.float32, device=x.device)  # each column's partial sums side by side
     chunk = min(_CHUNK, triton.next_power_of_2(C))
     args = (dy, x, mean.float().contiguous(), rstd.float().contiguous(), weight.contiguous(),
             dres if dres is not None else x, dx, part)
     if method == "two-pass":
         stat = torch.empty((2, M), dtype=torch.float32, device=x.device)
-        _layer_norm_backward_two_pass_kernel[(R,)](*args, stat, M, C, R, HAS_RES=dres is not None, ROWS=rows,
-                                                   BLOCK_M=block_m, CHUNK=chunk, num_warps=warps)
+        _layer_norm_backward_two_pass_kernel[(R,)](*args, stat, M, C, R, HAS_RES=dres is not None, SUM_DX=sum_dx,
+                                                   ROWS=rows, BLOCK_M=block_m, CHUNK=chunk, num_warps=warps)
     else:
-        _layer_norm_backward_kernel[(R,)](*args, M, C, R, HAS_RES=dres is not None, ROWS=rows, BLOCK_M=block_m,
-                                          CHUNK=chunk, NCHUNK=triton.next_power_of_2(triton.cdiv(C, chunk)),
-                                          num_warps=warps)
-    return dx, partials.sum_partials(part.view(2 * C, R), dwb_dtype).view(2, C)  # dw and db: one launch
+        _layer_norm_backward_kernel[(R,)](*args, M, C, R, HAS_RES=dres is not None, SUM_DX=sum_dx, ROWS=rows,
+                                          BLOCK_M=block_m, CHUNK=chunk,
+                                          NCHUNK=triton.next_power_of_2(triton.cdiv(C, chunk)), num_warps=warps)
+    return dx, partials.sum_partials(part.view(tables * C, R), dwb_dtype).view(tables, C)  # every row: one launch
 
 
 def layer_norm_backward_reference(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor,
-                                  dres: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The same three results with torch ops, in fp32 (dx' returned in x's dtype)."""
+                                  dres: Optional[Tensor] = None, sum_dx: bool = False) -> tuple[Tensor, ...]:
+    """The same results with torch ops, in fp32 (dx' returned in x's dtype; with ``sum_dx`` the
+    fourth, dx' summed over the rows, from the fp32 dx' before rounding)."""
     xhat = (x.float() - mean[:, None]) * rstd[:, None]
     g = dy.float() * weight.float()
     dx = (g - g.mean(1, keepdim=True) - xhat * (g * xhat).mean(1, keepdim=True)) * rstd[:, None]
     if dres is not None:
         dx = dx + dres.float()
-    return dx.to(x.dtype), (dy.float() * xhat).sum(0), dy.float().sum(0)
+    sums = (dy.float() * xhat).sum(0), dy.float().sum(0)
+    return (dx.to(x.dtype), *sums, dx.sum(0)) if sum_dx else (dx.to(x.dtype), *sums)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,31 +295,35 @@ def _triton_backward(*tensors: Tensor) -> bool:
 
 
 def ln_backward_impl(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor,
-                     dres: Optional[Tensor], dwb_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                     dres: Optional[Tensor], dwb_dtype: torch.dtype, sum_dx: bool) -> tuple[Tensor, Tensor]:
     """(dx', stack([dw, db])) on the Triton pass where it runs, else torch's ops; dw and db summed
-    in fp32 and rounded once into ``dwb_dtype`` (the parameters' dtype, so no cast follows)."""
+    in fp32 and rounded once into ``dwb_dtype`` (the parameters' dtype, so no cast follows). With
+    ``sum_dx``, the stack has a third row: dx' summed over the rows."""
     if _triton_backward(dy, x, weight):
-        return _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres, dwb_dtype=dwb_dtype)
-    dx, dw, db = layer_norm_backward_reference(dy, x, mean, rstd, weight, dres)
-    return dx, torch.stack([dw, db]).to(dwb_dtype)
+        return _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres, dwb_dtype=dwb_dtype, sum_dx=sum_dx)
+    dx, *sums = layer_norm_backward_reference(dy, x, mean, rstd, weight, dres, sum_dx)
+    return dx, torch.stack(sums).to(dwb_dtype)
 
 
 ln_backward_op = torch.library.custom_op("mpgpt::layer_norm_backward", mutates_args=())(ln_backward_impl)
 
 
 @ln_backward_op.register_fake
-def _(dy, x, mean, rstd, weight, dres, dwb_dtype):
-    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((2, x.shape[1]), dtype=dwb_dtype))
+def _(dy, x, mean, rstd, weight, dres, dwb_dtype, sum_dx):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty((3 if sum_dx else 2, x.shape[1]), dtype=dwb_dtype))
 
 
 class _ResidualLayerNormFunction(torch.autograd.Function):
-    """x' = x + branch (or x' = x without a branch), y = LayerNorm(x') in ``out_dtype``; returns
-    (x', y) with a branch, y alone without. The backward pass names every dtype, so it does not
-    depend on the autocast state it runs under."""
+    """x' = x + branch (+ branch_bias), or x' = x without a branch, then y = LayerNorm(x') in
+    ``out_dtype``; returns (x', y) with a branch, y alone without. The backward pass names every
+    dtype, so it does not depend on the autocast state it runs under."""
 
     @staticmethod
-    def forward(ctx, x, branch, weight, bias, eps, out_dtype):
+    def forward(ctx, x, branch, weight, bias, eps, out_dtype, branch_bias):
         ctx.set_materialize_grads(False)  # x' unused after the last block: no zero gradient to read
+        if branch_bias is not None:
+            branch = branch + branch_bias.to(branch.dtype)                # the bias the branch's matmul left out
         xs = x + branch if branch is not None else x                      # (..., C), x's dtype
         x2 = xs.reshape(-1, xs.shape[-1])                                  # (M, C)
         xf = x2.float()
@@ -312,7 +334,7 @@ class _ResidualLayerNormFunction(torch.autograd.Function):
             y = y + bias.float()
         ctx.save_for_backward(x2, mean, rstd, weight)
         ctx.meta = (xs.shape, x.dtype, None if branch is None else branch.dtype, weight.dtype,
-                    None if bias is None else bias.dtype)
+                    None if bias is None else bias.dtype, None if branch_bias is None else branch_bias.dtype)
         y = y.to(out_dtype).view(xs.shape)
         return (xs, y) if branch is not None else y
 
@@ -320,32 +342,44 @@ class _ResidualLayerNormFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         first_derivative_only("set_fused_layer_norm", "GPT.set_fused_layer_norm(False)")
         x2, mean, rstd, weight = ctx.saved_tensors
-        shape, x_dt, branch_dt, w_dt, b_dt = ctx.meta
+        shape, x_dt, branch_dt, w_dt, b_dt, bb_dt = ctx.meta
         d_res, dy = grads if branch_dt is not None else (None, grads[0])
         dy = dy.reshape(x2.shape) if dy is not None else torch.zeros_like(x2)
         d_res = d_res.reshape(x2.shape).to(x2.dtype) if d_res is not None else None
-        # dw and db come in the parameters' dtype when they share one, so no cast kernels follow.
-        dwb_dt = w_dt if b_dt in (None, w_dt) else torch.float32
-        dx, dwb = _op(ln_backward_op, ln_backward_impl)(dy, x2, mean, rstd, weight, d_res, dwb_dt)  # (M, C), (2, C)
-        dw, db = dwb
-        dx = dx.view(shape)  # the gradient of x' = x + branch, so of both
-        return (dx.to(x_dt), dx.to(branch_dt) if branch_dt is not None else None, dw.to(w_dt),
-                db.to(b_dt) if b_dt is not None else None, None, None)
+        # The sums come in the parameters' dtype when they share one, so no cast kernels follow.
+        dwb_dt = w_dt if b_dt in (None, w_dt) and bb_dt in (None, w_dt) else torch.float32
+        dx, dwb = _op(ln_backward_op, ln_backward_impl)(dy, x2, mean, rstd, weight, d_res, dwb_dt,
+                                                        bb_dt is not None)  # (M, C), (2 or 3, C)
+        dx = dx.view(shape)  # the gradient of x' = x + branch (+ branch_bias), so of both
+        return (dx.to(x_dt), dx.to(branch_dt) if branch_dt is not None else None, dwb[0].to(w_dt),
+                dwb[1].to(b_dt) if b_dt is not None else None, None, None,
+                dwb[2].to(bb_dt) if bb_dt is not None else None)  # the bias's gradient: dx' summed over rows
 
 
 def residual_layer_norm(x: Tensor, branch: Optional[Tensor], ln: torch.nn.LayerNorm,
-                        out_dtype: Optional[torch.dtype] = None):
+                        out_dtype: Optional[torch.dtype] = None, branch_bias: Optional[Tensor] = None):
     """(x + branch, ln(x + branch)) with the backward pass of the module docstring, or ln(x) alone
     when ``branch`` is None. Under autocast or with 16-bit x, y comes back in ``out_dtype``; None:
     autocast's dtype under autocast (what the next matmul multiplies, so the matmul's cast is
     already done), x's dtype outside it. For an fp32 model outside autocast, exactly the unfused
-    torch ops, whose y is fp32 whatever ``out_dtype`` says."""
+    torch ops, whose y is fp32 whatever ``out_dtype`` says.
+
+    ``branch_bias`` (C,): a bias the branch's last matmul left out, added here instead, x' = x +
+    (branch + branch_bias). Its gradient is dx' summed over the rows, which the backward kernel
+    sums while dx' is in its registers, so the matmul's own bias gradient (a separate reduction over
+    the same (M, C) gradient) is not needed."""
     if ln.normalized_shape != (x.shape[-1],) or not ln.elementwise_affine:
         raise ValueError(f"residual_layer_norm needs an affine LayerNorm over the last dimension ({x.shape[-1]}), "
                          f"got normalized_shape={ln.normalized_shape}, elementwise_affine={ln.elementwise_affine}")
+    if branch_bias is not None and (branch is None or branch_bias.shape != (x.shape[-1],)):
+        raise ValueError(f"branch_bias must be a ({x.shape[-1]},) vector added to a branch, got "
+                         f"{None if branch_bias is None else tuple(branch_bias.shape)} with "
+                         f"{'no branch' if branch is None else 'a branch'}; pass branch_bias=None")
     dtype = _compute_dtype(x)
     if dtype is None:
+        if branch_bias is not None:
+            branch = branch + branch_bias
         xs = x + branch if branch is not None else x
         y = ln(xs)
         return (xs, y) if branch is not None else y
-    return _ResidualLayerNormFunction.apply(x, branch, ln.weight, ln.bias, ln.eps, out_dtype or dtype)
+    return _ResidualLayerNormFunction.apply(x, branch, ln.weight, ln.bias, ln.eps, out_dtype or dtype, branch_bias)
