@@ -55,6 +55,7 @@ def float64_grads(x, dy, w, b, dres):
 @pytest.mark.parametrize("shape,config", [((37, 48), None), ((37, 48), (16, 8, 1)), ((5, 100), (8, 2, 1)),
                                           ((130, 64), (32, 32, 1)), ((37, 300), (16, 4, 1)),
                                           ((37, 48), (16, 8, 1, "two-pass")), ((5, 100), (8, 2, 1, "two-pass")),
+                                          ((70, 48), (32, 4, 1, "whole-rows", 2)),
                                           ((37, 300), (16, 4, 1, "two-pass")), ((9, 1100), (8, 4, 1, "two-pass"))])
 def test_layer_norm_backward_matches_float64(dtype, with_res, shape, config):
     """Shapes with edges: M not a multiple of the rows per program, C not a power of two (48, 100),
@@ -76,7 +77,7 @@ def test_layer_norm_backward_matches_float64(dtype, with_res, shape, config):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_res", [True, False])
 @pytest.mark.parametrize("shape,config", [((37, 48), (16, 8, 1)), ((37, 300), (16, 4, 1)), ((70, 48), None),
-                                          ((37, 300), (16, 4, 1, "two-pass"))])
+                                          ((37, 300), (16, 4, 1, "two-pass")), ((70, 48), (32, 8, 1, "whole-rows", 3))])
 def test_layer_norm_backward_sums_dx_for_a_bias_added_into_x(dtype, with_res, shape, config):
     """sum_dx: a fourth result, dx' (with dx'_res added) summed over the rows in fp32, the gradient
     of a bias added into x'. Against float64, 1e-5 like dw and db (fp32 sums of fp32 terms); rows
@@ -120,7 +121,7 @@ def test_the_custom_operators_pass_torch_opcheck(path, monkeypatch):
 
 
 @pytest.mark.parametrize("config,match", [((16, 4, "two-pass"), "num_warps must be a power of two"),
-                                          ((16, 4, 4, "two-pass", 1), r"config must be \(ROWS, BLOCK_M"),
+                                          ((16, 4, 4, "two-pass", 1, 1), r"config must be \(ROWS, BLOCK_M"),
                                           ((16, 4), r"config must be \(ROWS, BLOCK_M")])
 def test_a_misplaced_config_field_is_refused(config, match):
     """A method left in the num_warps slot would otherwise run the whole-rows kernel silently."""
@@ -145,6 +146,10 @@ def test_layer_norm_backward_errors():
         layernorm.layer_norm_backward(dy, x, mean, rstd, w, config=(0, 4, 1))
     with pytest.raises(ValueError, match="'whole-rows' or 'two-pass'"):
         layernorm.layer_norm_backward(dy, x, mean, rstd, w, config=(8, 4, 1, "chunks"))
+    with pytest.raises(ValueError, match="stages must be a positive integer"):
+        layernorm.layer_norm_backward(dy, x, mean, rstd, w, config=(8, 4, 1, "whole-rows", 0))
+    with pytest.raises(ValueError, match="stages must be a positive integer"):
+        layernorm.layer_norm_backward(dy, x, mean, rstd, w, config=(8, 4, 1, "two-pass", 2))
 
 
 def test_layer_norm_backward_with_no_rows_gives_zeros():
@@ -479,8 +484,12 @@ def test_gpu_layer_norm_backward_at_gpt2_shape():
     dx, dw, db = layernorm.layer_norm_backward(dy, x, mean, rstd, w, dres)
     ref_dx, ref_dw, ref_db = float64_grads(x, dy, w, b, dres)
     assert rel_err(dx, ref_dx) < 1e-2 and rel_err(dw, ref_dw) < 1e-5 and rel_err(db, ref_db) < 1e-5
-    again_dx, again_dwb = layernorm.ln_backward_op(dy, x, mean, rstd, w, dres, torch.float32)
+    again_dx, again_dwb = layernorm.ln_backward_op(dy, x, mean, rstd, w, dres, torch.float32, False)
     assert torch.equal(again_dx, dx) and torch.equal(again_dwb, torch.stack([dw, db]))
+    # with dx' summed for a bias, at the tiles that case runs with: the same dx', and the sum within
+    # fp32 summation error (1e-5) of float64's
+    dx2, dw2, db2, dbias = layernorm.layer_norm_backward(dy, x, mean, rstd, w, dres, sum_dx=True)
+    assert rel_err(dx2, ref_dx) < 1e-2 and rel_err(dw2, ref_dw) < 1e-5 and rel_err(dbias, ref_dx.sum(0)) < 1e-5
 
 
 def test_fused_blocks_refuse_a_wrapped_block_or_a_norm_subclass():

@@ -80,6 +80,8 @@ def _layer_norm_backward_kernel(
     BLOCK_M: tl.constexpr,  # rows per loop iteration
     CHUNK: tl.constexpr,    # columns per chunk: 256 = one warp's 32 threads x 8 bf16 (16 bytes each)
     NCHUNK: tl.constexpr,   # a power of two >= C / CHUNK
+    STAGES: tl.constexpr,   # 1: each iteration loads its rows when it starts; 2 or more: Triton's software
+                            # pipeliner loads them that many iterations ahead (through shared memory)
 ):
     # A row is held as NCHUNK chunks of CHUNK columns: tiles are (NCHUNK, BLOCK_M, CHUNK), so that
     # one warp spans a chunk and the warps split the rows. A row's sums then stay inside one warp
@@ -94,7 +96,7 @@ def _layer_norm_backward_kernel(
     acc_w = tl.zeros((NCHUNK, BLOCK_M, CHUNK), dtype=tl.float32)          # sum of dy * xhat
     acc_b = tl.zeros((NCHUNK, BLOCK_M, CHUNK), dtype=tl.float32)          # sum of dy
     acc_x = tl.zeros((NCHUNK, BLOCK_M, CHUNK), dtype=tl.float32)          # sum of dx' (SUM_DX only)
-    for r in range(0, ROWS, BLOCK_M):
+    for r in tl.range(0, ROWS, BLOCK_M, num_stages=STAGES):
         rows = pid * ROWS + r + tl.arange(0, BLOCK_M)                       # (BLOCK_M,)
         row_ok = rows < M
         mask = row_ok[None, :, None] & col_ok                               # (NCHUNK, BLOCK_M, CHUNK)
@@ -202,6 +204,7 @@ def _layer_norm_backward_two_pass_kernel(
 # at (48, 4, 4) was slower, 46.1 against 43.1 us; record kernels-layer-norm-one-sum-h200). The
 # interpreter runs one numpy op per tile, so there large tiles keep the tests fast.
 _CONFIG = (32, 4, 4)
+_SUM_DX_CONFIG = (32, 4, 4)
 _INTERPRET_CONFIG = (64, 32, 1)
 _CHUNK = 256
 
@@ -214,9 +217,10 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weigh
 
     dy, x, dres: (M, C) each; mean, rstd: (M,) fp32; weight: (C,). dx': a new contiguous (M, C)
     tensor in x's dtype; dw, db: (C,) fp32 (the two rows of one (2, C) tensor). `config`
-    (ROWS, BLOCK_M, num_warps[, method]) overrides the tile sizes, for benchmarks; method
+    (ROWS, BLOCK_M, num_warps[, method[, stages]]) overrides the tile sizes, for benchmarks; method
     "whole-rows" (the default kernel) or "two-pass" (the second kernel: row sums first, then the
-    columns chunk by chunk)."""
+    columns chunk by chunk); stages (whole rows only): 1 loads each iteration's rows as it starts,
+    2 or more has Triton's pipeliner load them that many iterations ahead."""
     dx, dwb = _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres, config, sum_dx=sum_dx)
     return (dx, *dwb.unbind(0))
 
@@ -235,11 +239,14 @@ def _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres=None, config=Non
         raise ValueError(f"mean and rstd must be ({M},) and weight ({C},), got {tuple(mean.shape)}, "
                          f"{tuple(rstd.shape)} and {tuple(weight.shape)}")
     env.check_device(x)
-    rows, block_m, warps, *method = env.tile_config(config, _INTERPRET_CONFIG if env.interpreting() else _CONFIG,
-                                                    ("ROWS", "BLOCK_M", "num_warps", "method"), optional=1)
-    method = method[0] if method else "whole-rows"
+    default = _INTERPRET_CONFIG if env.interpreting() else _SUM_DX_CONFIG if sum_dx else _CONFIG
+    rows, block_m, warps, *rest = env.tile_config(config, default, ("ROWS", "BLOCK_M", "num_warps", "method", "stages"),
+                                                  optional=2)
+    method, stages = (list(rest) + ["whole-rows", 1][len(rest):])[:2]
     if method not in ("whole-rows", "two-pass"):
         raise ValueError(f"config: the method must be 'whole-rows' or 'two-pass', got {method!r}")
+    if not isinstance(stages, int) or stages < 1 or (method == "two-pass" and stages != 1):
+        raise ValueError(f"config: stages must be a positive integer (1 for 'two-pass'), got {stages!r}")
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"config: BLOCK_M={block_m} must be a power of two")
     if rows < 1 or rows % block_m:
@@ -247,8 +254,8 @@ def _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres=None, config=Non
     if env.interpreting() and torch.bfloat16 in (dy.dtype, x.dtype, weight.dtype, getattr(dres, "dtype", None)):
         # The interpreter keeps bf16 as raw 16-bit integers and its arithmetic on them is wrong: widen first.
         dx, dwb = _layer_norm_backward_packed(dy.float(), x.float(), mean, rstd, weight.float(),
-                                              None if dres is None else dres.float(), (rows, block_m, warps, method),
-                                              dwb_dtype, sum_dx)
+                                              None if dres is None else dres.float(),
+                                              (rows, block_m, warps, method, stages), dwb_dtype, sum_dx)
         return dx.to(x.dtype), dwb
     dy, x = dy.contiguous(), x.contiguous()
     dres = dres.contiguous() if dres is not None else None
@@ -268,7 +275,8 @@ def _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres=None, config=Non
     else:
         _layer_norm_backward_kernel[(R,)](*args, M, C, R, HAS_RES=dres is not None, SUM_DX=sum_dx, ROWS=rows,
                                           BLOCK_M=block_m, CHUNK=chunk,
-                                          NCHUNK=triton.next_power_of_2(triton.cdiv(C, chunk)), num_warps=warps)
+                                          NCHUNK=triton.next_power_of_2(triton.cdiv(C, chunk)), STAGES=stages,
+                                          num_warps=warps)
     return dx, partials.sum_partials(part.view(tables * C, R), dwb_dtype).view(tables, C)  # every row: one launch
 
 
