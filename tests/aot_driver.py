@@ -92,9 +92,9 @@ def compile_column_sums(cc: int, dtype: str, kernel: str) -> dict:
         two_pass = kernel == "layer_norm_two_pass"
         rows, block_m, warps = (16, 4, 4) if two_pass else layernorm._CONFIG
         fn = layernorm._layer_norm_backward_two_pass_kernel if two_pass else layernorm._layer_norm_backward_kernel
-        constexprs = dict(HAS_RES=True, ROWS=rows, BLOCK_M=block_m, CHUNK=layernorm._CHUNK)
+        constexprs = dict(HAS_RES=True, SUM_DX=False, ROWS=rows, BLOCK_M=block_m, CHUNK=layernorm._CHUNK)
         if not two_pass:
-            constexprs["NCHUNK"] = 4  # C = 768 in chunks of 256, padded to a power of two
+            constexprs |= dict(NCHUNK=4, STAGES=1)  # C = 768 in chunks of 256, padded to a power of two
         signature = dict(dy_ptr=t, x_ptr=t, mean_ptr=f32, rstd_ptr=f32, w_ptr=f32, res_ptr=t, dx_ptr=t,
                          part_ptr=f32, **(dict(stat_ptr=f32) if two_pass else {}), M="i32", C="i32", R="i32")
     signature |= {name: "constexpr" for name in constexprs}

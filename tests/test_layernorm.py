@@ -112,9 +112,9 @@ def test_the_custom_operators_pass_torch_opcheck(path, monkeypatch):
     monkeypatch.setattr(layernorm, "_triton_backward", lambda *t: path == "triton")
     monkeypatch.setattr(qkv, "_triton_merge", lambda t: path == "triton")
     x, dy, dres, w, b, mean, rstd = inputs(20, 48, torch.bfloat16)
-    torch.library.opcheck(layernorm.ln_backward_op, (dy, x, mean, rstd, w, dres, torch.float32, False))
-    torch.library.opcheck(layernorm.ln_backward_op, (dy, x, mean, rstd, w, None, torch.bfloat16, False))
-    torch.library.opcheck(layernorm.ln_backward_op, (dy, x, mean, rstd, w, dres, torch.bfloat16, True))
+    torch.library.opcheck(layernorm.ln_backward_op, (dy, x, mean, rstd, w, dres, False, torch.float32))
+    torch.library.opcheck(layernorm.ln_backward_op, (dy, x, mean, rstd, w, None, False, torch.bfloat16))
+    torch.library.opcheck(layernorm.ln_backward_op, (dy, x, mean, rstd, w, dres, True, torch.bfloat16))
     dq, dk, dv = (torch.randn(2, 3, 7, 16, device=DEVICE).bfloat16() for _ in range(3))
     torch.library.opcheck(qkv.merge_heads_op, (dq, dk, dv, True, torch.bfloat16))
     torch.library.opcheck(qkv.merge_heads_op, (dq, dk, dv, False, torch.float32))
@@ -484,7 +484,7 @@ def test_gpu_layer_norm_backward_at_gpt2_shape():
     dx, dw, db = layernorm.layer_norm_backward(dy, x, mean, rstd, w, dres)
     ref_dx, ref_dw, ref_db = float64_grads(x, dy, w, b, dres)
     assert rel_err(dx, ref_dx) < 1e-2 and rel_err(dw, ref_dw) < 1e-5 and rel_err(db, ref_db) < 1e-5
-    again_dx, again_dwb = layernorm.ln_backward_op(dy, x, mean, rstd, w, dres, torch.float32, False)
+    again_dx, again_dwb = layernorm.ln_backward_op(dy, x, mean, rstd, w, dres, False, torch.float32)
     assert torch.equal(again_dx, dx) and torch.equal(again_dwb, torch.stack([dw, db]))
     # with dx' summed for a bias, at the tiles that case runs with: the same dx', and the sum within
     # fp32 summation error (1e-5) of float64's

@@ -303,7 +303,7 @@ def _triton_backward(*tensors: Tensor) -> bool:
 
 
 def ln_backward_impl(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor,
-                     dres: Optional[Tensor], dwb_dtype: torch.dtype, sum_dx: bool) -> tuple[Tensor, Tensor]:
+                     dres: Optional[Tensor], sum_dx: bool, dwb_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(dx', stack([dw, db])) on the Triton pass where it runs, else torch's ops; dw and db summed
     in fp32 and rounded once into ``dwb_dtype`` (the parameters' dtype, so no cast follows). With
     ``sum_dx``, the stack has a third row: dx' summed over the rows."""
@@ -317,7 +317,7 @@ ln_backward_op = torch.library.custom_op("mpgpt::layer_norm_backward", mutates_a
 
 
 @ln_backward_op.register_fake
-def _(dy, x, mean, rstd, weight, dres, dwb_dtype, sum_dx):
+def _(dy, x, mean, rstd, weight, dres, sum_dx, dwb_dtype):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             x.new_empty((3 if sum_dx else 2, x.shape[1]), dtype=dwb_dtype))
 
@@ -356,8 +356,8 @@ class _ResidualLayerNormFunction(torch.autograd.Function):
         d_res = d_res.reshape(x2.shape).to(x2.dtype) if d_res is not None else None
         # The sums come in the parameters' dtype when they share one, so no cast kernels follow.
         dwb_dt = w_dt if b_dt in (None, w_dt) and bb_dt in (None, w_dt) else torch.float32
-        dx, dwb = _op(ln_backward_op, ln_backward_impl)(dy, x2, mean, rstd, weight, d_res, dwb_dt,
-                                                        bb_dt is not None)  # (M, C), (2 or 3, C)
+        dx, dwb = _op(ln_backward_op, ln_backward_impl)(dy, x2, mean, rstd, weight, d_res, bb_dt is not None,
+                                                        dwb_dt)  # (M, C), (2 or 3, C)
         dx = dx.view(shape)  # the gradient of x' = x + branch (+ branch_bias), so of both
         return (dx.to(x_dt), dx.to(branch_dt) if branch_dt is not None else None, dwb[0].to(w_dt),
                 dwb[1].to(b_dt) if b_dt is not None else None, None, None,
