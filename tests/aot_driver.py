@@ -90,7 +90,7 @@ def compile_column_sums(cc: int, dtype: str, kernel: str) -> dict:
                          **{n: "i32" for n in ("M", "T", "R", "s_b", "s_h", "s_t", "s_d")})
     else:
         two_pass = kernel == "layer_norm_two_pass"
-        rows, block_m, warps = (16, 4, 4) if two_pass else layernorm._CONFIG
+        rows, block_m, warps = (16, 4, 4) if two_pass else layernorm._CONFIG[:3]
         fn = layernorm._layer_norm_backward_two_pass_kernel if two_pass else layernorm._layer_norm_backward_kernel
         constexprs = dict(HAS_RES=True, SUM_DX=False, ROWS=rows, BLOCK_M=block_m, CHUNK=layernorm._CHUNK)
         if not two_pass:

@@ -203,8 +203,8 @@ def _layer_norm_backward_two_pass_kernel(
 # H200 (record kernels-layer-norm-h200), and again of eight in a second sweep (one wave of programs
 # at (48, 4, 4) was slower, 46.1 against 43.1 us; record kernels-layer-norm-one-sum-h200). The
 # interpreter runs one numpy op per tile, so there large tiles keep the tests fast.
-_CONFIG = (32, 4, 4)
-_SUM_DX_CONFIG = (32, 4, 4)
+_CONFIG = (64, 4, 4, "whole-rows", 3)
+_SUM_DX_CONFIG = (64, 4, 4, "whole-rows", 3)
 _INTERPRET_CONFIG = (64, 32, 1)
 _CHUNK = 256
 
