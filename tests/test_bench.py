@@ -93,9 +93,11 @@ def test_the_streamk_rows_differ_from_their_twins_only_in_the_mlp_weight_gradien
     rows = [name for name in training.TRAIN_CONFIGS if "+streamk-dw" in name]
     assert len(rows) == 2 and any("nobias" in name for name in rows), rows
     # `--configs fastest`: the last rung and its bias-free twin, each with the tied embedding's
-    # gradient in place and GELU's backward in the epilogue, the baseline, and the first row again
+    # gradient in place and GELU's backward in the epilogue (with biases, c_proj's in the residual add too),
+    # the baseline, and the first row again
     fastest = training.expand_configs("fastest")
-    assert fastest[0] == fastest[-1] == training.LADDER[8].replace("+step-graph", "+fused-emb+gelu-epilogue+step-graph")
+    assert fastest[0] == fastest[-1] == training.LADDER[8].replace(
+        "+fused-ln+step-graph", "+fused-ln+bias-in-add+fused-emb+gelu-epilogue+step-graph")
     assert training.LADDER[9].replace("+step-graph", "+fused-emb+gelu-epilogue+step-graph") in fastest
     assert "bf16+compile" in fastest and all(name in training.TRAIN_CONFIGS for name in fastest)
     for name in rows:

@@ -260,9 +260,12 @@ LADDER = [
 # records train-peers-emb-h200 and train-peers-emb-2-h200, within the spread between runs, so the
 # ladder keeps its last rung) and GELU's backward in the epilogue of dOut W_proj
 # ("+gelu-epilogue": 1.017x and 1.014x the same step without it in two runs on an H100, records
-# train-peers-dgelu-h100 and train-peers-dgelu-2-h100). Left out: the "+streamk-dw" rows (alone,
+# train-peers-dgelu-h100 and train-peers-dgelu-2-h100); with biases, also c_proj's biases added in
+# the fused residual add ("+bias-in-add": 1.008x the same step without it on an H100, with
+# LayerNorm's backward at its pipelined tiles, record train-peers-ln-pipelined-h100; 0.997x at the
+# tiles before, record train-peers-bias-in-add-h100). Left out: the "+streamk-dw" rows (alone,
 # the stream-K kernel was slower than cuBLAS on the MLP's weight gradients, record kernels-grads-h200).
-_FASTEST_BIAS = ("bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+fused-emb+gelu-epilogue"
+_FASTEST_BIAS = ("bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+bias-in-add+fused-emb+gelu-epilogue"
                  "+step-graph+no-mix-order")
 FASTEST = [
     _FASTEST_BIAS,
