@@ -22,6 +22,12 @@ that one last sum over contiguous memory finishes and rounds into the parameters
 (`partials.py`; dw's and db's columns side by side: one launch for both). Bytes: read dy, x',
 dx'_res, write dx', once each.
 
+Where the branch's last matmul left its bias b out and the add puts it in, x' = x + (branch + b)
+(`residual_layer_norm`'s branch_bias; GPT.set_fused_layer_norm(bias_in_add=True) does this with
+c_proj's biases), b's gradient is dx' summed over the rows. With SUM_DX the kernel keeps that sum
+too, from dx' in fp32 before it is rounded, as a third table for the same last launch; the
+reduction the matmul's bias would have needed over the same (M, C) gradient is gone.
+
 At GPT-2's (12288, 768) on the H200, timed as replayed CUDA graphs: 43.1 us against 52.6 us for
 Inductor's two kernels (record kernels-layer-norm-one-sum-h200; 46.2 us with one last sum for dw
 and another for db, record kernels-layer-norm-h200). The layout is what makes it pay: held as
@@ -32,8 +38,15 @@ thousands); much wider rows still compute correctly but spill.
 
 Whole rows also cost registers: 168 a thread at C = 768, no spills (compiled ahead of time for
 sm_90 with Triton 3.6, with the specialisations a launch at GPT-2's shapes gets: 16-byte aligned
-pointers, sizes divisible by 16), so three 4-warp programs fit on a multiprocessor; the kernel
-moves its bytes at 1.75 TB/s, well below a copy's 4.3. (Compiled without those specialisations,
+pointers, sizes divisible by 16), so three 4-warp programs fit on a multiprocessor. At (32, 4, 4)
+tiles, each iteration loaded its rows only when it started, and the kernel moved its bytes at
+1.75 TB/s on the H200, well below a copy's 4.3: a warp waited on memory, computed its two row
+sums, then waited again for dx'_res. With STAGES = 3, Triton's software pipeliner requests the
+rows of the next iterations into shared memory (49 KB a program) while the current ones are
+computed. That takes 207 registers (two programs per multiprocessor) and is the default, at
+(64, 4, 4): one wave of 192 programs at GPT-2's shape. On an H100, as replayed graphs with the
+last sum, 35.9 against 42.5 us (a scratch run; (64, 4, 4) without the pipeline took 48.3), and in
+the step 0.13 ms less (benchmarks/NOTES-train.md). (Compiled without those specialisations,
 the bf16 loads are 2-byte scalars and the count reads 255 with spills, which is not what runs.
 Making C a compile-time constant, to drop the padding chunk of a 768-wide row, takes 179 registers
 with them (181 with an fp32 weight), two programs per multiprocessor: not kept. Splitting the row
@@ -199,10 +212,12 @@ def _layer_norm_backward_two_pass_kernel(
             tl.store(part_ptr + (2 * C + cols) * R + pid, tl.sum(acc_x, axis=0), mask=col_ok)
 
 
-# (ROWS, BLOCK_M, num_warps) on a GPU: the fastest of ten in a sweep at GPT-2's (12288, 768) on the
-# H200 (record kernels-layer-norm-h200), and again of eight in a second sweep (one wave of programs
-# at (48, 4, 4) was slower, 46.1 against 43.1 us; record kernels-layer-norm-one-sum-h200). The
-# interpreter runs one numpy op per tile, so there large tiles keep the tests fast.
+# (ROWS, BLOCK_M, num_warps, method, stages) on a GPU: the fastest of eight in a sweep at GPT-2's
+# (12288, 768) on an H100, with and without the dx' sums (35.9 and 38.1 us; the unpipelined
+# (32, 4, 4), the fastest in two earlier sweeps on the H200, records kernels-layer-norm-h200 and
+# kernels-layer-norm-one-sum-h200, took 42.5 and 58.0 us in the same H100 sweep). With the third sum the kernel
+# takes 255 registers, still two programs per multiprocessor. The interpreter runs one numpy op
+# per tile, so there large tiles keep the tests fast.
 _CONFIG = (64, 4, 4, "whole-rows", 3)
 _SUM_DX_CONFIG = (64, 4, 4, "whole-rows", 3)
 _INTERPRET_CONFIG = (64, 32, 1)
