@@ -561,9 +561,8 @@ class GPT(nn.Module):
         it writes that gradient, in place of a reduction of its own. Branches where the sums would
         differ (dropout after c_proj in training, c_proj swapped for another layer or hooked) keep
         their bias."""
-        self.bias_in_add = bool(enable and bias_in_add)
         if not enable:
-            self.fused_layer_norm = None
+            self.fused_layer_norm, self.bias_in_add = None, False
             return self
         from mpgpt.kernels import env  # imported here: Triton is optional for chapters 1-5
 
@@ -574,7 +573,7 @@ class GPT(nn.Module):
             raise ValueError("set_fused_layer_norm needs LayerNorms with a weight (elementwise_affine=True)")
         from mpgpt.kernels.layernorm import residual_layer_norm
 
-        self.fused_layer_norm = residual_layer_norm
+        self.fused_layer_norm, self.bias_in_add = residual_layer_norm, bias_in_add
         return self
 
     # ------------------------------------------------------------------------------ chapter 6

@@ -213,11 +213,11 @@ def _layer_norm_backward_two_pass_kernel(
 
 
 # (ROWS, BLOCK_M, num_warps, method, stages) on a GPU: the fastest of eight in a sweep at GPT-2's
-# (12288, 768) on an H100, with and without the dx' sums (35.9 and 38.1 us; the unpipelined
-# (32, 4, 4), the fastest in two earlier sweeps on the H200, records kernels-layer-norm-h200 and
-# kernels-layer-norm-one-sum-h200, took 42.5 and 58.0 us in the same H100 sweep). With the third sum the kernel
-# takes 255 registers, still two programs per multiprocessor. The interpreter runs one numpy op
-# per tile, so there large tiles keep the tests fast.
+# (12288, 768) on an H100, with and without the dx' sums: 35.9 and 38.1 us, where the unpipelined
+# (32, 4, 4) took 42.5 and 58.0 us in the same sweep (it was the fastest in two earlier sweeps on
+# the H200, records kernels-layer-norm-h200 and kernels-layer-norm-one-sum-h200). With the third
+# sum the kernel takes 255 registers, still two programs per multiprocessor. The interpreter runs
+# one numpy op per tile, so there large tiles keep the tests fast.
 _CONFIG = (64, 4, 4, "whole-rows", 3)
 _SUM_DX_CONFIG = (64, 4, 4, "whole-rows", 3)
 _INTERPRET_CONFIG = (64, 32, 1)
