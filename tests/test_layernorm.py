@@ -403,6 +403,20 @@ def test_bias_in_add_keeps_the_bias_where_dropout_follows_c_proj(monkeypatch):
     assert seen[5:] == [False] + [True] * 4
 
 
+def test_bias_in_add_keeps_the_bias_of_a_hooked_c_proj(monkeypatch):
+    """A hook on c_proj must see c_proj's own output, bias included: that branch keeps its bias
+    (and the hook runs); the other branches move theirs."""
+    model = small_model(torch.float32).set_fused_layer_norm(True, bias_in_add=True)
+    seen, calls = count_branch_biases(model, monkeypatch), []
+    handle = model.transformer.h[0].attn.c_proj.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            model(torch.randint(0, 65, (2, 16), device=DEVICE))
+    finally:
+        handle.remove()
+    assert calls == [1] and seen == [False, False, True, True, True]
+
+
 def test_dropout_draws_the_same_masks_fused_and_unfused():
     """With dropout on, the regrouped loop calls the branches in the same order, so one seed gives
     the same masks. Bit-equal logits are not promised: the fused LayerNorm sums in another order,
