@@ -315,6 +315,18 @@ def test_set_fused_layer_norm_keeps_the_loss_and_the_gradients(bias, backward_pa
     assert model.set_fused_layer_norm(False).fused_layer_norm is None
 
 
+def autocast_losses(ref, model):
+    """Both models' losses on one random batch under bf16 autocast, each followed by its backward pass."""
+    idx = torch.randint(0, 65, (2, 16), device=DEVICE)
+    losses = []
+    for m in (ref, model):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            _, loss = m(idx, idx.roll(1, 1))
+        loss.backward()
+        losses.append(loss)
+    return losses
+
+
 def test_an_fp32_model_under_autocast_gets_the_unfused_loss_and_gradients(backward_path):
     """The course's default GPU setting, with the fused loss on: every rounding to bf16 happens at
     the same place fused and unfused (ln_f's output stays fp32, as nn.LayerNorm returns it under
@@ -328,13 +340,7 @@ def test_an_fp32_model_under_autocast_gets_the_unfused_loss_and_gradients(backwa
     model.set_fused_layer_norm(True)
     for m in (ref, model):
         m.set_fused_loss(True)
-    idx = torch.randint(0, 65, (2, 16), device=DEVICE)
-    losses = []
-    for m in (ref, model):
-        with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            _, loss = m(idx, idx.roll(1, 1))
-        loss.backward()
-        losses.append(loss)
+    losses = autocast_losses(ref, model)
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=0)
     for (name, a), b in zip(ref.named_parameters(), model.parameters()):
         assert rel_err(b.grad, a.grad.double()) < 2e-2, name
@@ -378,13 +384,7 @@ def test_bias_in_add_under_autocast_keeps_fp32_bias_gradients(backward_path, mon
     model.load_state_dict(ref.state_dict())
     model.set_fused_layer_norm(True, bias_in_add=True)
     seen = count_branch_biases(model, monkeypatch)
-    idx = torch.randint(0, 65, (2, 16), device=DEVICE)
-    losses = []
-    for m in (ref, model):
-        with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            _, loss = m(idx, idx.roll(1, 1))
-        loss.backward()
-        losses.append(loss.item())
+    losses = [loss.item() for loss in autocast_losses(ref, model)]
     assert abs(losses[1] - losses[0]) < 1e-2 * losses[0] and sum(seen) == 4
     for (name, a), b in zip(ref.named_parameters(), model.parameters()):
         assert b.grad.dtype == torch.float32 and rel_err(b.grad, a.grad.double()) < 3e-2, name
