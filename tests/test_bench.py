@@ -218,20 +218,23 @@ def test_the_ladder_is_read_rung_by_rung_and_the_rows_after_it_against_their_twi
 
 def test_the_partials_part_times_the_tables_the_kernels_leave(monkeypatch):
     """bench_partials times tables of the shapes partial_tables names: the shapes the one-pass
-    kernels hand to sum_partials at their GPU tiles (run here in the interpreter, at a small size
-    with rows that do not fill the last row group)."""
+    kernels hand to sum_partials at their GPU tiles (on the GPU, or in the interpreter without one; at
+    a small size with rows that do not fill the last row group)."""
     from mpgpt.bench import kernels as kb
     from mpgpt.kernels import gelu, heads, layernorm, partials
 
     seen = []
     real = partials.sum_partials
     monkeypatch.setattr(partials, "sum_partials", lambda part, dtype=torch.float32: seen.append(part.shape) or real(part, dtype))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     B, T, n_head, hs = 3, 100, 2, 24
     M, C = B * T, n_head * hs
-    x, dy = torch.randn(M, C), torch.randn(M, C)
+    x, dy = torch.randn(M, C, device=device), torch.randn(M, C, device=device)
     var, mean = torch.var_mean(x, dim=1, correction=0)
-    layernorm.layer_norm_backward(dy, x, mean, torch.rsqrt(var + 1e-5), torch.ones(C), config=layernorm._CONFIG)
-    gelu.gelu_backward_bias(torch.randn(M, 4 * C), torch.randn(M, 4 * C), config=gelu._BIAS_CONFIG)
-    heads.merge_heads_bias(*(torch.randn(B, n_head, T, hs) for _ in range(3)), config=heads._CONFIG)
+    layernorm.layer_norm_backward(dy, x, mean, torch.rsqrt(var + 1e-5), torch.ones(C, device=device),
+                                  config=layernorm._CONFIG)
+    gelu.gelu_backward_bias(torch.randn(M, 4 * C, device=device), torch.randn(M, 4 * C, device=device),
+                            config=gelu._BIAS_CONFIG)
+    heads.merge_heads_bias(*(torch.randn(B, n_head, T, hs, device=device) for _ in range(3)), config=heads._CONFIG)
     tables = kb.partial_tables(M=M, C=C)
     assert seen == [tables[name][0] for name in ("layer_norm", "gelu", "merge_heads")]
