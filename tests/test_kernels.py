@@ -755,6 +755,24 @@ def test_ws_preferred_where_its_tiles_fill_the_waves():
     assert ws._wave_efficiency(384, 132) == 384 / 396 and ws._wave_efficiency(288, 132) == 288 / 396
 
 
+
+def test_balanced_programs_keep_the_waves_and_even_out_the_tiles():
+    """The persistent kernel's program count: GPT-2's N = 768 products (384 tiles) on 132 SMs get
+    128 programs of 3 tiles, not 120 of 3 and 12 of 2; fewer tiles than SMs get one program each;
+    and for every count, no program runs more tiles than with one program per SM, while one
+    program fewer would have to."""
+    assert ws.balanced_programs(384, 132) == 128
+    assert ws.balanced_programs(96, 132) == 96 and ws.balanced_programs(132, 132) == 132
+    assert ws.balanced_programs(25152, 132) == 132          # lm_head: 191 waves either way
+    for sms in (1, 7, 40, 132):
+        for tiles in range(1, 1000):
+            p = ws.balanced_programs(tiles, sms)
+            most = -(-tiles // p)
+            assert 1 <= p <= min(tiles, sms) and most == -(-tiles // sms), (tiles, sms)
+            assert p == 1 or -(-tiles // (p - 1)) > most, (tiles, sms)
+    with pytest.raises(ValueError, match="positive"):
+        ws.balanced_programs(0, 132)
+
 # ------------------------------------------------------------------------------------------------
 # plan(): which kernel matmul runs, and why (CPU: the GPU generation faked through env)
 # ------------------------------------------------------------------------------------------------
