@@ -773,6 +773,13 @@ def test_balanced_programs_keep_the_waves_and_even_out_the_tiles():
     with pytest.raises(ValueError, match="positive"):
         ws.balanced_programs(0, 132)
 
+
+def test_group_rows_narrow_outputs_sweep_four_tile_rows():
+    """Outputs at most four 192-wide tiles across (GPT-2's N = 768) take GROUP_M 4; wider ones,
+    the output layer among them, keep the module's GROUP_M."""
+    assert ws.group_rows(768) == ws.group_rows(700) == 4
+    assert ws.group_rows(769) == ws.group_rows(3072) == ws.group_rows(50304) == ws.GROUP_M == 8
+
 # ------------------------------------------------------------------------------------------------
 # plan(): which kernel matmul runs, and why (CPU: the GPU generation faked through env)
 # ------------------------------------------------------------------------------------------------
