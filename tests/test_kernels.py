@@ -755,7 +755,6 @@ def test_ws_preferred_where_its_tiles_fill_the_waves():
     assert ws._wave_efficiency(384, 132) == 384 / 396 and ws._wave_efficiency(288, 132) == 288 / 396
 
 
-
 def test_balanced_programs_keep_the_waves_and_even_out_the_tiles():
     """The persistent kernel's program count: GPT-2's N = 768 products (384 tiles) on 132 SMs get
     128 programs of 3 tiles, not 120 of 3 and 12 of 2; fewer tiles than SMs get one program each;
@@ -779,6 +778,7 @@ def test_group_rows_narrow_outputs_sweep_four_tile_rows():
     the output layer among them, keep the module's GROUP_M."""
     assert ws.group_rows(768) == ws.group_rows(700) == 4
     assert ws.group_rows(769) == ws.group_rows(3072) == ws.group_rows(50304) == ws.GROUP_M == 8
+
 
 # ------------------------------------------------------------------------------------------------
 # plan(): which kernel matmul runs, and why (CPU: the GPU generation faked through env)
