@@ -90,15 +90,19 @@ def compile_column_sums(cc: int, dtype: str, kernel: str) -> dict:
                          **{n: "i32" for n in ("M", "T", "R", "s_b", "s_h", "s_t", "s_d")})
     else:
         two_pass = kernel == "layer_norm_two_pass"
-        rows, block_m, warps = (16, 4, 4) if two_pass else layernorm._CONFIG[:3]
+        rows, block_m, warps, _, stages = (16, 4, 4, "two-pass", 1) if two_pass else layernorm._CONFIG
         fn = layernorm._layer_norm_backward_two_pass_kernel if two_pass else layernorm._layer_norm_backward_kernel
-        constexprs = dict(HAS_RES=True, SUM_DX=False, ROWS=rows, BLOCK_M=block_m, CHUNK=layernorm._CHUNK)
-        if not two_pass:
-            constexprs |= dict(NCHUNK=4, STAGES=1)  # C = 768 in chunks of 256, padded to a power of two
+        constexprs = dict(HAS_RES=True, SUM_DX=kernel == "layer_norm_sum_dx", ROWS=rows, BLOCK_M=block_m,
+                          CHUNK=layernorm._CHUNK)
+        if not two_pass:  # at the default tiles, loads pipelined as they run; C = 768 in chunks of 256, padded to 4
+            constexprs |= dict(NCHUNK=4, STAGES=stages)
         signature = dict(dy_ptr=t, x_ptr=t, mean_ptr=f32, rstd_ptr=f32, w_ptr=f32, res_ptr=t, dx_ptr=t,
                          part_ptr=f32, **(dict(stat_ptr=f32) if two_pass else {}), M="i32", C="i32", R="i32")
+    names = list(signature)
+    # the launcher's specialisations at GPT-2's shapes: 16-byte aligned pointers, sizes multiples of 16
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n in ("M", "C", "R")}
     signature |= {name: "constexpr" for name in constexprs}
-    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=warps))
     # Barriers the kernel itself asks for (tl.debug_barrier: `gpu.barrier`, or `ttg.barrier` in newer
     # Triton), before the compiler adds its own for reductions through shared memory.
@@ -177,7 +181,8 @@ def compile_streamk(kernel: str) -> dict:
     return {"shared": compiled.metadata.shared, **instructions(ptx), "tma_loads": ptx.count("cp.async.bulk.tensor")}
 
 
-COLUMN_SUM_KERNELS = ("gelu_backward_bias", "merge_heads", "layer_norm", "layer_norm_two_pass", "sum_partials")
+COLUMN_SUM_KERNELS = ("gelu_backward_bias", "merge_heads", "layer_norm", "layer_norm_sum_dx", "layer_norm_two_pass",
+                      "sum_partials")
 
 
 FP8_POINTERS = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32",

@@ -61,11 +61,12 @@ def test_the_fused_cross_entropy_kernel_compiles(compiled, cc, dtype):
 
 
 @pytest.mark.parametrize("cc,dtype", [(75, "fp16"), (90, "bf16")])
-@pytest.mark.parametrize("kernel", ["gelu_backward_bias", "merge_heads", "layer_norm", "layer_norm_two_pass",
-                                    "sum_partials"])
+@pytest.mark.parametrize("kernel", ["gelu_backward_bias", "merge_heads", "layer_norm", "layer_norm_sum_dx",
+                                    "layer_norm_two_pass", "sum_partials"])
 def test_the_one_pass_backward_kernels_compile(compiled, cc, dtype, kernel):
-    """GELU's backward with the bias sums, the head merge and LayerNorm's two backward kernels, at
-    their GPU tiles, and the last sum of their tables: they run in the interpreter on a CPU, which
+    """GELU's backward with the bias sums, the head merge and LayerNorm's two backward kernels (the
+    whole-rows one with and without the third sum), at their GPU tiles and pipeline stages, and the
+    last sum of their tables: they run in the interpreter on a CPU, which
     never compiles them, so a construct only the compiler rejects would otherwise first fail on
     the learner's GPU. The two-pass kernel
     must keep its barrier between the row sums and the columns (other threads read what it wrote);

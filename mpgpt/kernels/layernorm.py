@@ -218,8 +218,7 @@ def _layer_norm_backward_two_pass_kernel(
 # the H200, records kernels-layer-norm-h200 and kernels-layer-norm-one-sum-h200). With the third
 # sum the kernel takes 255 registers, still two programs per multiprocessor. The interpreter runs
 # one numpy op per tile, so there large tiles keep the tests fast.
-_CONFIG = (64, 4, 4, "whole-rows", 3)
-_SUM_DX_CONFIG = (64, 4, 4, "whole-rows", 3)
+_CONFIG = (64, 4, 4, "whole-rows", 3)  # with or without the third sum (SUM_DX): the fastest of both sweeps
 _INTERPRET_CONFIG = (64, 32, 1)
 _CHUNK = 256
 
@@ -254,7 +253,7 @@ def _layer_norm_backward_packed(dy, x, mean, rstd, weight, dres=None, config=Non
         raise ValueError(f"mean and rstd must be ({M},) and weight ({C},), got {tuple(mean.shape)}, "
                          f"{tuple(rstd.shape)} and {tuple(weight.shape)}")
     env.check_device(x)
-    default = _INTERPRET_CONFIG if env.interpreting() else _SUM_DX_CONFIG if sum_dx else _CONFIG
+    default = _INTERPRET_CONFIG if env.interpreting() else _CONFIG
     rows, block_m, warps, *rest = env.tile_config(config, default, ("ROWS", "BLOCK_M", "num_warps", "method", "stages"),
                                                   optional=2)
     method, stages = (list(rest) + ["whole-rows", 1][len(rest):])[:2]
