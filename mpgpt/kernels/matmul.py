@@ -75,7 +75,7 @@ class Plan:
     """Which kernel `matmul` runs for a call, and why.
 
     kernel: "grouped", "tma", "ws" or "streamk"; split_k: programs along K per output tile (1: unsplit;
-    only the grouped kernel splits); interpreted: Triton's CPU interpreter runs it; reason: one
+    the grouped kernel splits, and the ws kernel for a transposed A); interpreted: Triton's CPU interpreter runs it; reason: one
     line for humans, e.g. "sm_90, forward layout a @ w.t(), no activation: 128x192 tiles fill
     the waves better (ws_preferred)"."""
 
@@ -159,6 +159,16 @@ def _plan_2d(a, b, c, bias, z, activation, kernel, split_k) -> Plan:
     N = b.shape[1]
     interp = env.interpreting()
     epilogue = bias is not None or activation is not None or z is not None
+    if kernel in ("auto", "ws") and (split_k is None or kernel == "ws") and ws.split_eligible(a, b, c, bias,
+                                                                                          activation, z):
+        # A read transposed, as dW = dY.t() @ X reads dY: few output tiles and a long K
+        num_sms = env.num_sms(a.device)
+        where = "sm_%d%d, %s" % (*env.capability(a.device), _LAYOUTS[(True, not ws.b_row_major(b))])
+        if kernel == "ws" or ws.split_preferred(M, N, K, num_sms):
+            s = split_k or ws.split_for(M, N, K, num_sms)
+            return Plan("ws", s, False, f"{where}: the warp-specialised kernel, each tile's K in {s} slice"
+                                        f"{'s' if s > 1 else ''} summed in fp32" + (", asked" if kernel == "ws" else
+                                                                                    " (split_preferred)"))
     if split_k is not None and split_k > 1:
         if epilogue:
             raise ValueError("split_k > 1 adds fp32 partial sums after the kernel: it takes no bias, activation "
@@ -249,7 +259,9 @@ def _matmul_2d(a, b, c, bias=None, z=None, activation=None, kernel="auto", split
     p = _plan_2d(a, b, c, bias, z, activation, kernel, split_k)
     if c.shape[0] == 0 or c.shape[1] == 0:
         return c
-    if p.kernel == "ws":
+    if p.kernel == "ws" and ws.a_transposed(a):
+        replay = ws.launch_split(a, b, c, p.split_k)
+    elif p.kernel == "ws":
         replay = ws.launch(a, b, c, bias)
     elif p.kernel == "streamk":
         replay = streamk.launch(a, b, c)

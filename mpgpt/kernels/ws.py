@@ -98,11 +98,30 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         return pid_m * BLOCK_M, pid_n * TILE_N
 
     @gluon.jit
+    def unit_work(unit, num_tiles, k_tiles, SPLIT_K: gl.constexpr):
+        """(tile, first K-step, end K-step) of work unit `unit`. With SPLIT_K > 1 each tile is
+        SPLIT_K units, each summing a contiguous slice of the K-steps into a partial sum of its
+        own; units are numbered slice-major (slice 0 of every tile first), so the programs at
+        work at one time read neighbouring tiles' operands, as in the unsplit kernel."""
+        if SPLIT_K == 1:
+            tile_id = unit
+            k_lo = 0
+            k_hi = k_tiles
+        else:
+            s = unit // num_tiles
+            tile_id = unit - s * num_tiles
+            k_lo = s * k_tiles // SPLIT_K
+            k_hi = (s + 1) * k_tiles // SPLIT_K
+        return tile_id, k_lo, k_hi
+
+    @gluon.jit
     def _producer(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
-                  B_ROW_MAJOR: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                  A_T: gl.constexpr, B_ROW_MAJOR: gl.constexpr, GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr,
+                  STAGES: gl.constexpr):
         """One warp: the TMA loads of every (tile, K-step) of this program, at most STAGES ahead."""
-        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        # A's boxes are (BLOCK_M, BLOCK_K), or (BLOCK_K, BLOCK_M) when A is read transposed (A_T)
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[1 if A_T else 0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[0 if A_T else 1]
         # B's boxes are (BLOCK_K, width) when B is row-major (K, N), (width, BLOCK_K) for w (N, K)
         N_DIM: gl.constexpr = 1 if B_ROW_MAJOR else 0
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[N_DIM]
@@ -111,17 +130,22 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, TILE_N)
         k_tiles = gl.cdiv(K, BLOCK_K)
+        num_tiles = num_pid_m * num_pid_n
         p = 0  # steps loaded so far; step p uses stage p % STAGES
-        for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        for unit in range(gl.program_id(0), num_tiles * SPLIT_K, gl.num_programs(0)):
+            tile_id, k_lo, k_hi = unit_work(unit, num_tiles, k_tiles, SPLIT_K)
             off_m, off_n = tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, TILE_N)
-            for k in range(k_tiles):
+            for k in range(k_lo, k_hi):
                 s = p % STAGES
                 # Wait until the MMA warps released this stage. In the first pass through the
                 # ring nothing was released yet: waiting on the parity of the phase "before"
                 # phase 0 returns at once.
                 mbarrier.wait(empty.index(s), ((p // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), nbytes)
-                tma_load(a_desc, [off_m, k * BLOCK_K], ready.index(s), a_bufs.index(s))
+                if A_T:
+                    tma_load(a_desc, [k * BLOCK_K, off_m], ready.index(s), a_bufs.index(s))
+                else:
+                    tma_load(a_desc, [off_m, k * BLOCK_K], ready.index(s), a_bufs.index(s))
                 if B_ROW_MAJOR:
                     tma_load(b_desc, [k * BLOCK_K, off_n], ready.index(s), b_bufs.index(s))
                     tma_load(b2_desc, [k * BLOCK_K, off_n + BLOCK_N], ready.index(s), b2_bufs.index(s))
@@ -158,14 +182,15 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
 
     @gluon.jit
     def _mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem, c2_smem,
-                       bias_ptr, M, N, K,
-                       HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr, B_ROW_MAJOR: gl.constexpr, GROUP_M: gl.constexpr,
-                       STAGES: gl.constexpr, num_warps: gl.constexpr):
-        """The default partition: the MMAs and the epilogue of every tile of this program."""
+                       bias_ptr, part_ptr, M, N, K,
+                       HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr, A_T: gl.constexpr, B_ROW_MAJOR: gl.constexpr,
+                       GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+        """The default partition: the MMAs and the epilogue of every tile (or, split along K,
+        every work unit) of this program."""
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
         EXTRA_N: gl.constexpr = c2_desc.block_type.shape[1]
-        BLOCK_K: gl.constexpr = a_bufs.type.shape[2]  # (STAGES, BLOCK_M, BLOCK_K)
+        BLOCK_K: gl.constexpr = a_bufs.type.shape[1 if A_T else 2]  # (STAGES, BLOCK_M, BLOCK_K), or K first if A_T
         # Accumulators in wgmma's register layout: warpgroups stacked along M, each owning
         # BLOCK_M / (num_warps / 4) rows; one instruction covers 64 rows x (BLOCK_N or EXTRA_N) x 16.
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -177,38 +202,51 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         k_tiles = gl.cdiv(K, BLOCK_K)
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout)     # (BLOCK_M, BLOCK_N)
         acc2 = gl.zeros((BLOCK_M, EXTRA_N), gl.float32, layout2)   # (BLOCK_M, EXTRA_N): the next columns
+        num_tiles = num_pid_m * num_pid_n
         c = 0  # steps consumed so far
-        t = 0  # tiles handed to the epilogue partition so far (EPILOGUE >= 1)
-        for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        t = 0  # tiles handed to the epilogue partition so far (EPILOGUE 1 and 2)
+        for unit in range(gl.program_id(0), num_tiles * SPLIT_K, gl.num_programs(0)):
+            tile_id, k_lo, k_hi = unit_work(unit, num_tiles, k_tiles, SPLIT_K)
             off_m, off_n = tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N + EXTRA_N)
             if HAS_BIAS:  # loaded now, so that its latency hides behind the MMAs
                 bias = _load_bias(bias_ptr, off_n, N, BLOCK_N, layout)
                 bias2 = _load_bias(bias_ptr, off_n + BLOCK_N, N, EXTRA_N, layout2)
-            for k in range(k_tiles):
+            for k in range(k_lo, k_hi):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
                 # Row-major B stages are (K, N) tiles, read as they are; stages of w are (N, K)
                 # tiles, read transposed (a view: wgmma reads either order of a 16-bit operand).
-                # use_acc=False on a tile's first step discards what the registers held.
+                # The same for A: (K, M) stages of a transposed A are read as (M, K) views.
+                # use_acc=False on a unit's first step discards what the registers held.
+                if A_T:
+                    a_op = a_bufs.index(s).permute((1, 0))
+                else:
+                    a_op = a_bufs.index(s)
                 if B_ROW_MAJOR:
                     b_op = b_bufs.index(s)
                     b2_op = b2_bufs.index(s)
                 else:
                     b_op = b_bufs.index(s).permute((1, 0))
                     b2_op = b2_bufs.index(s).permute((1, 0))
-                acc = warpgroup_mma(a_bufs.index(s), b_op, acc, use_acc=k > 0, is_async=True)
-                acc2 = warpgroup_mma(a_bufs.index(s), b2_op, acc2, use_acc=k > 0, is_async=True)
+                acc = warpgroup_mma(a_op, b_op, acc, use_acc=k > k_lo, is_async=True)
+                acc2 = warpgroup_mma(a_op, b2_op, acc2, use_acc=k > k_lo, is_async=True)
                 # At most this step's two MMAs are still running, so the previous step's stage
                 # has been read: hand it back to the producer.
                 acc, acc2 = warpgroup_mma_wait(2, deps=(acc, acc2))
-                mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=k > 0)
+                mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=k > k_lo)
                 c += 1
             acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
             y, y2 = acc, acc2  # new names: a bias sum must not write the accumulators' registers
             if HAS_BIAS:
                 y, y2 = acc + bias, acc2 + bias2
-            if EPILOGUE >= 1:
+            if EPILOGUE == 3:
+                # The unit's fp32 partial sum, from registers into its slice's plane of
+                # part (SPLIT_K, M, N); the host adds the planes, in slice order, with one rounding.
+                plane = part_ptr + (unit // num_tiles).to(gl.int64) * M * N
+                _store_rows(plane, acc, off_m, 0, off_n, M, N, BLOCK_M, BLOCK_N, layout)
+                _store_rows(plane, acc2, off_m, 0, off_n + BLOCK_N, M, N, BLOCK_M, EXTRA_N, layout2)
+            elif EPILOGUE >= 1:
                 # The tile, rounded once, goes to the epilogue partition through c_smem / c2_smem
                 # (Z for EPILOGUE 1, dH for EPILOGUE 2); these warps go on to the next tile's MMAs
                 # while that partition finishes it.
@@ -378,13 +416,17 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         z_desc, z2_desc,                    # ... of Z (M, N): written if EPILOGUE == 1, read if EPILOGUE == 2
         bias_ptr,                           # bias (N,), read only if HAS_BIAS and EPILOGUE < 2
         out_ptr,                            # C's memory (M, N), contiguous: EPILOGUE 2 writes C through it
-        part_ptr,                           # (N, cdiv(M, BLOCK_M)) fp32, written only if EPILOGUE == 2 and HAS_BIAS
+        part_ptr,                           # fp32: (N, cdiv(M, BLOCK_M)) column sums if EPILOGUE == 2 and HAS_BIAS,
+                                            # (SPLIT_K, M, N) partial products if EPILOGUE == 3
         M, N, K,
         HAS_BIAS: gl.constexpr,             # EPILOGUE < 2: add bias; EPILOGUE == 2: sum dZ's columns into part
         EPILOGUE: gl.constexpr,             # 0: C = A B (+ bias); 1: also Z = that, and C = gelu(Z);
-                                            # 2: C = (A B) * gelu'(Z), GELU's backward (A = dOut, B = W)
+                                            # 2: C = (A B) * gelu'(Z), GELU's backward (A = dOut, B = W);
+                                            # 3: part[s] = A[:, Ks] B[Ks, :] in fp32, for each K slice s
+        A_T: gl.constexpr,                  # False: a_desc describes A (M, K); True: A.t() (K, M) row-major
         B_ROW_MAJOR: gl.constexpr,          # False: b_desc describes w (N, K); True: B (K, N) row-major
         GROUP_M: gl.constexpr,
+        SPLIT_K: gl.constexpr,              # work units per tile, each a slice of K (only with EPILOGUE 3)
         STAGES: gl.constexpr,               # shared-memory stages in the load ring
         num_warps: gl.constexpr,            # of the MMA partition (the producer adds one warp)
     ):
@@ -422,30 +464,30 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             fence_async_shared()
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem,
-                                  c2_smem, bias_ptr, M, N, K, False, EPILOGUE, B_ROW_MAJOR, GROUP_M, STAGES,
-                                  num_warps)),
-                (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, B_ROW_MAJOR,
-                             GROUP_M, STAGES)),
+                                  c2_smem, bias_ptr, part_ptr, M, N, K, False, EPILOGUE, A_T, B_ROW_MAJOR, GROUP_M,
+                                  SPLIT_K, STAGES, num_warps)),
+                (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, A_T, B_ROW_MAJOR,
+                             GROUP_M, SPLIT_K, STAGES)),
                 (_gelu_grad_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_smem, z2_smem, z_ready,
                                         z_empty, z_loaded, out_ptr, part_ptr, M, N, HAS_BIAS, GROUP_M)),
             ], [1, 8], [40, 64])
         elif EPILOGUE == 1:
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem,
-                                  c2_smem, bias_ptr, M, N, K, HAS_BIAS, EPILOGUE, B_ROW_MAJOR, GROUP_M, STAGES,
-                                  num_warps)),
-                (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, B_ROW_MAJOR,
-                             GROUP_M, STAGES)),
+                                  c2_smem, bias_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T, B_ROW_MAJOR,
+                                  GROUP_M, SPLIT_K, STAGES, num_warps)),
+                (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, A_T, B_ROW_MAJOR,
+                             GROUP_M, SPLIT_K, STAGES)),
                 (_gelu_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, M, N,
                                    GROUP_M)),
             ], [1, 4], [40, 96])
         else:
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem,
-                                  c2_smem, bias_ptr, M, N, K, HAS_BIAS, EPILOGUE, B_ROW_MAJOR, GROUP_M, STAGES,
-                                  num_warps)),
-                (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, B_ROW_MAJOR,
-                             GROUP_M, STAGES)),
+                                  c2_smem, bias_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T, B_ROW_MAJOR,
+                                  GROUP_M, SPLIT_K, STAGES, num_warps)),
+                (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, A_T, B_ROW_MAJOR,
+                             GROUP_M, SPLIT_K, STAGES)),
             ], [1], [40])
 
 
@@ -465,6 +507,17 @@ def b_row_major(b: torch.Tensor) -> bool | None:
     return None
 
 
+def a_transposed(a: torch.Tensor) -> bool | None:
+    """How the kernel can read a (M, K): False for a itself row-major and aligned, True for a
+    transposed view of an aligned row-major (K, M) tensor (dY.t() in dW = dY.t() @ X), None
+    otherwise."""
+    if _aligned(a):
+        return False
+    if _aligned(a.t()):
+        return True
+    return None
+
+
 def ws_operands_fit(a, b, c, bias, activation, z) -> bool:
     """The operands' half of ws_eligible (any device): dtypes, a layout of B it reads
     (b_row_major), alignment, bias but no activation or saved pre-activation, no dimension
@@ -478,6 +531,27 @@ def ws_operands_fit(a, b, c, bias, activation, z) -> bool:
     if min(M, N, K) < 16 or (bias is not None and bias.stride(0) != 1):
         return False
     return _aligned(a) and b_row_major(b) is not None and _aligned(c)
+
+
+def split_operands_fit(a, b, c, bias, activation, z) -> bool:
+    """The operands' half of split_eligible (any device): the product through fp32 partial sums
+    (launch_split) for A read transposed, as the weight gradient dW = dY.t() @ X reads dY:
+    bf16/fp16 a and b, a.t() and B in a layout the TMA loads can address, an output in a's
+    dtype or fp32 (any strides), no bias, activation or saved pre-activation, no dimension below 16."""
+    if bias is not None or activation is not None or z is not None:
+        return False
+    if a.dtype not in (torch.bfloat16, torch.float16) or c.dtype not in (a.dtype, torch.float32):
+        return False
+    M, K = a.shape
+    N = b.shape[1]
+    return min(M, N, K) >= 16 and a_transposed(a) is True and b_row_major(b) is not None
+
+
+def split_eligible(a, b, c, bias, activation, z) -> bool:
+    """True if launch_split can compute c = a @ b here (the device half as in ws_eligible)."""
+    if WS_IMPORT_ERROR is not None or env.interpreting() or not a.is_cuda or env.capability(a.device) != (9, 0):
+        return False
+    return split_operands_fit(a, b, c, bias, activation, z)
 
 
 def ws_eligible(a, b, c, bias, activation, z) -> bool:
@@ -518,6 +592,42 @@ def group_rows(N: int) -> int:
     return 4 if -(-N // (BLOCK_N + EXTRA_N)) <= 4 else GROUP_M
 
 
+# The cost model behind split_for, in K-steps of one 128 x 192 x 64 tile on one multiprocessor
+# (about 0.6 us at GPT-2's N = 768 products on an H100 and an H200: 144 steps a program in 88-92 us).
+_UNIT_STEPS = 4          # a work unit's fixed cost: filling the ring, the epilogue
+_STEP_US = 0.6
+_SUM_BYTES_PER_US = 3e6  # the host's sum of the planes: each plane read once, the output written once
+
+
+def split_cost(M: int, N: int, K: int, split_k: int, num_sms: int) -> float:
+    """Predicted time of launch_split with `split_k` slices, in K-steps (see the constants above):
+    the busiest program's units (waves of balanced programs, each unit its share of the K-steps
+    plus _UNIT_STEPS), plus the sum of the fp32 planes where there is one to do."""
+    tiles = -(-M // BLOCK_M) * -(-N // (BLOCK_N + EXTRA_N))
+    k_tiles = -(-K // BLOCK_K)
+    waves = -(-(tiles * split_k) // num_sms)
+    steps = waves * (-(-k_tiles // split_k) + _UNIT_STEPS)
+    if split_k > 1:
+        steps += (split_k + 1) * M * N * 4 / _SUM_BYTES_PER_US / _STEP_US
+    return steps
+
+
+def split_preferred(M: int, N: int, K: int, num_sms: int) -> bool:
+    """Whether kernel="auto" should run a product with a transposed A through launch_split:
+    where its 128 x 192 tiles make less than one wave, so that only slices of K can fill the
+    GPU, and K is long (at least 16 K-steps a slice in two slices)."""
+    tiles = -(-M // BLOCK_M) * -(-N // (BLOCK_N + EXTRA_N))
+    return tiles < num_sms and K >= 32 * BLOCK_K
+
+
+def split_for(M: int, N: int, K: int, num_sms: int, most: int = 16) -> int:
+    """The slices of K for launch_split that split_cost predicts fastest (1 to `most`, at
+    least one K-step each). attn.c_proj's dW (768 x 768, K = 12288): 5 slices, 120 units of
+    38-39 K-steps, one wave."""
+    k_tiles = -(-K // BLOCK_K)
+    return min(range(1, min(most, k_tiles) + 1), key=lambda s: (split_cost(M, N, K, s, num_sms), s))
+
+
 def ws_preferred(M: int, N: int, num_sms: int) -> bool:
     """Whether kernel="auto" should take this kernel over the TMA kernel for an (M, N) output.
 
@@ -536,16 +646,18 @@ def ws_preferred(M: int, N: int, num_sms: int) -> bool:
 _LAYOUTS: dict = {}
 
 
-def _layouts(dtype, row_major_b=False):
+def _layouts(dtype, row_major_b=False, a_t=False):
     """The NVMMA shared-memory layouts (swizzles) of the five descriptor boxes, per dtype and
-    layout of B: A's, B's two (w's (N, K) boxes, or (K, N) ones for a row-major B), C's two."""
-    key = (dtype, row_major_b)
+    layouts of A and B: A's ((M, K) boxes, or (K, M) ones of a.t() for a transposed A), B's two
+    (w's (N, K) boxes, or (K, N) ones for a row-major B), C's two."""
+    key = (dtype, row_major_b, a_t)
     if key not in _LAYOUTS:
         gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
         get = gl.NVMMASharedLayout.get_default_for
+        a_box = (BLOCK_K, BLOCK_M) if a_t else (BLOCK_M, BLOCK_K)
         b_boxes = ((BLOCK_K, BLOCK_N), (BLOCK_K, EXTRA_N)) if row_major_b else ((BLOCK_N, BLOCK_K), (EXTRA_N, BLOCK_K))
         _LAYOUTS[key] = [([bm, bn], get([bm, bn], gdt)) for bm, bn in
-                         ((BLOCK_M, BLOCK_K), *b_boxes, (BLOCK_M, BLOCK_N), (BLOCK_M, EXTRA_N))]
+                         (a_box, *b_boxes, (BLOCK_M, BLOCK_N), (BLOCK_M, EXTRA_N))]
     return _LAYOUTS[key]
 
 
@@ -561,23 +673,24 @@ class _HostDesc:
         self.base, self.shape, self.strides, self.padding = base, base.shape, base.stride(), "zero"
 
 
-def ws_tensors(a, b, c, z=None, row_major_b=None):
-    """The seven descriptor operands of a launch, in kernel order: A, B's memory twice (w = b.t()
-    for the forward layout, b itself when row-major; row_major_b: b_row_major(b) if the caller
-    knows it), C twice, Z twice (Z is C where the epilogue writes no Z)."""
+def ws_tensors(a, b, c, z=None, row_major_b=None, a_t=False):
+    """The seven descriptor operands of a launch, in kernel order: A's memory (a, or a.t() for
+    a transposed A), B's memory twice (w = b.t() for the forward layout, b itself when
+    row-major; row_major_b: b_row_major(b) if the caller knows it), C twice, Z twice (Z is C
+    where the epilogue writes no Z)."""
     bm = b if (b_row_major(b) if row_major_b is None else row_major_b) else b.t()
     z = c if z is None else z
-    return a, bm, bm, c, c, z, z
+    return a.t() if a_t else a, bm, bm, c, c, z, z
 
 
-def lean_descriptors(a, b, c, z=None, row_major_b=None):
+def lean_descriptors(a, b, c, z=None, row_major_b=None, a_t=False):
     """The seven descriptor arguments for a repeated launch (see _HostDesc)."""
-    return tuple(_HostDesc(t) for t in ws_tensors(a, b, c, z, row_major_b))
+    return tuple(_HostDesc(t) for t in ws_tensors(a, b, c, z, row_major_b, a_t))
 
 
-def _layouts7(dtype, row_major_b=False):
+def _layouts7(dtype, row_major_b=False, a_t=False):
     """Box and layout of each of the seven descriptors: Z's are C's."""
-    layouts = _layouts(dtype, row_major_b)
+    layouts = _layouts(dtype, row_major_b, a_t)
     return layouts + layouts[3:5]
 
 
@@ -586,24 +699,28 @@ N_TENSORS = 10  # the arguments that change from call to call: seven descriptors
 STAGES_GELU_BACKWARD = 3
 
 
-def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, part=None):
+def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, part=None, split_k=1):
     """Launch c = a @ b (+ bias) on the warp-specialised kernel (the caller checked ws_eligible),
     or with epilogue 1 (z = a @ b + bias, c = gelu(z)), or 2 (c = (a @ b) * gelu'(z), and with
-    ``part`` the column sums of that, see gelu_backward_fused). Returns (the jitted kernel, the
-    compiled kernel, grid, args, kwargs): what launch.compiled_launch needs to repeat it, with
-    the N_TENSORS tensor arguments first."""
+    ``part`` the column sums of that, see gelu_backward_fused), or 3 (``part`` (split_k, M, N)
+    fp32 receives the product of each slice of K; c is then only a 16-bit stand-in for the
+    unused C descriptors, see launch_split). Returns (the jitted kernel, the compiled kernel,
+    grid, args, kwargs): what launch.compiled_launch needs to repeat it, with the N_TENSORS
+    tensor arguments first."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     M, K = a.shape
     N = b.shape[1]
     row_major_b = b_row_major(b)
+    a_t = bool(a_transposed(a))
     descs = tuple(TensorDescriptor.from_tensor(t, box, layout) for t, (box, layout) in
-                  zip(ws_tensors(a, b, c, z if epilogue else None), _layouts7(a.dtype, row_major_b)))
-    tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N + EXTRA_N)
-    grid = (min(num_programs or balanced_programs(tiles, num_sms), tiles),)
+                  zip(ws_tensors(a, b, c, z if epilogue else None, row_major_b, a_t),
+                      _layouts7(a.dtype, row_major_b, a_t)))
+    units = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N + EXTRA_N) * split_k
+    grid = (min(num_programs or balanced_programs(units, num_sms), units),)
     args = (*descs, bias if bias is not None else c, c, part if part is not None else c, M, N, K)
     has_bias = part is not None if epilogue == 2 else bias is not None
-    kwargs = dict(HAS_BIAS=has_bias, EPILOGUE=epilogue, B_ROW_MAJOR=row_major_b, GROUP_M=group_rows(N),
-                  STAGES=STAGES_GELU_BACKWARD if epilogue == 2 else STAGES, num_warps=NUM_WARPS)
+    kwargs = dict(HAS_BIAS=has_bias, EPILOGUE=epilogue, A_T=a_t, B_ROW_MAJOR=row_major_b, GROUP_M=group_rows(N),
+                  SPLIT_K=split_k, STAGES=STAGES_GELU_BACKWARD if epilogue == 2 else STAGES, num_warps=NUM_WARPS)
     compiled = matmul_ws_kernel[grid](*args, **kwargs)
     return matmul_ws_kernel, compiled, grid, args, kwargs
 
@@ -620,6 +737,50 @@ def launch(a, b, c, bias=None):
 
     def replay(a, b, c, bias, z):  # seven host-built descriptors, the bias, then c as C's pointer and the unused table
         remembered(a.device.index, *lean_descriptors(a, b, c, None, row_major_b), bias if bias is not None else c, c, c)
+    return replay
+
+
+def _add_planes(part, c):
+    """c = the sum of part's planes (split_k, M, N) fp32, rounded once into c's dtype (any strides)."""
+    if c.dtype == torch.float32:
+        torch.sum(part, dim=0, out=c)
+    else:
+        c.copy_(part.sum(dim=0))
+
+
+def launch_split(a, b, c, split_k):
+    """c = a @ b for a transposed A (the caller checked split_eligible) through fp32 partial sums:
+    the kernel splits each 128 x 192 tile's K-steps into `split_k` slices (work units of their
+    own, so that few tiles and a long K, as in a weight gradient, still fill the GPU), each unit
+    writes its slice's fp32 product into plane s of a (split_k, M, N) buffer, and the host adds
+    the planes with one rounding into c (torch.sum over the planes: the same order every call,
+    so the result repeats bit for bit). With split_k = 1 and a contiguous fp32 c, the kernel
+    writes c directly. Returns a replay function `(a, b, c, bias, z)`, as `launch` does, or None."""
+    M, K = a.shape
+    N = b.shape[1]
+    if not 1 <= split_k <= triton.cdiv(K, BLOCK_K):
+        raise ValueError(f"split_k must be between 1 and the {triton.cdiv(K, BLOCK_K)} K-steps of {BLOCK_K}, "
+                         f"got {split_k}")
+    direct = split_k == 1 and c.dtype == torch.float32 and c.is_contiguous()
+
+    def planes(c):
+        return c.view(1, M, N) if direct else torch.empty((split_k, M, N), dtype=torch.float32, device=c.device)
+    stand_in = a.t()  # a 16-bit tensor for the C and Z descriptors, which this epilogue never uses
+    part = planes(c)
+    jit_fn, compiled, grid, args, kwargs = ws_launch(a, b, stand_in, None, env.num_sms(a.device), epilogue=3,
+                                                     part=part, split_k=split_k)
+    if not direct:
+        _add_planes(part, c)
+    remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=N_TENSORS)
+    if remembered is None:
+        return None
+    row_major_b = kwargs["B_ROW_MAJOR"]
+
+    def replay(a, b, c, bias, z):
+        part = planes(c)
+        remembered(a.device.index, *lean_descriptors(a, b, a.t(), None, row_major_b, True), a.t(), a.t(), part)
+        if not direct:
+            _add_planes(part, c)
     return replay
 
 
