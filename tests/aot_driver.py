@@ -229,7 +229,8 @@ class _Sm90Driver:
 def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False) -> dict:
     """The two warp-specialised Gluon kernels (sm_90): ws.matmul_ws_kernel in bf16 with the given
     epilogue (0: a bias; 1: a bias, then Z and gelu(Z) stored; 2: GELU's backward with the column
-    sums), B read as w.t() or row-major, and
+    sums; 3: attn.c_proj's weight gradient, A transposed, K in 5 fp32 slices), B read as w.t() or
+    row-major, and
     fp8_ws.fp8_ws_kernel promoting, with rowwise scales, for a 4096^3 product (descriptors of CPU
     tensors: only their shapes, strides and alignment matter here)."""
     import torch
@@ -248,19 +249,32 @@ def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False) -> 
         compiled = fp8_ws.fp8_ws_kernel.warmup(*descs, s, s, n, n, n, SPLIT=fp8_ws.SPLIT, ROWWISE=True, PROMOTE=True,
                                                GROUP_M=fp8_ws.GROUP_M, STAGES=fp8_ws.default_stages(torch.bfloat16),
                                                num_warps=4, grid=(132,))
+    elif epilogue == 3:
+        m, k = 768, 12288
+        g = torch.empty(k, m, dtype=torch.bfloat16)  # dY (tokens, out): the product reads dY.t()
+        x = torch.empty(k, m, dtype=torch.bfloat16)
+        split = ws.split_for(m, m, k, 132)
+        descs = [TensorDescriptor.from_tensor(t, box, layout) for t, (box, layout) in
+                 zip(ws.ws_tensors(g.t(), x, g, None, True, True), ws._layouts7(torch.bfloat16, True, True))]
+        compiled = ws.matmul_ws_kernel.warmup(*descs, g, g, torch.empty(split, m, m), m, m, k, HAS_BIAS=False,
+                                              EPILOGUE=3, A_T=True, B_ROW_MAJOR=True, GROUP_M=ws.group_rows(m),
+                                              SPLIT_K=split, STAGES=ws.STAGES, num_warps=ws.NUM_WARPS, grid=(120,))
     else:
         a = torch.empty(n, n, dtype=torch.bfloat16)
         b = a if row_major_b else a.t()  # row-major (K, N), or w.t() for a row-major weight w, as nn.Linear has
         descs = [TensorDescriptor.from_tensor(t, box, layout)
                  for t, (box, layout) in zip(ws.ws_tensors(a, b, a), ws._layouts7(torch.bfloat16, row_major_b))]
         compiled = ws.matmul_ws_kernel.warmup(*descs, a[0], a, torch.empty(n, 32), n, n, n, HAS_BIAS=True,
-                                              EPILOGUE=epilogue, B_ROW_MAJOR=row_major_b, GROUP_M=ws.GROUP_M,
+                                              EPILOGUE=epilogue, A_T=False, B_ROW_MAJOR=row_major_b,
+                                              GROUP_M=ws.GROUP_M, SPLIT_K=1,
                                               STAGES=ws.STAGES_GELU_BACKWARD if epilogue == 2 else ws.STAGES,
                                               num_warps=ws.NUM_WARPS, grid=(132,))
     ptx = compiled.asm["ptx"]
     return {"shared": compiled.metadata.shared, **instructions(ptx), "tanh": ptx.count("tanh.approx.f32"),
             "ex2": ptx.count("ex2.approx"),
-            "wgmma_types": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.(\w+)\.", ptx)))}
+            "wgmma_types": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.(\w+)\.", ptx))),
+            # wgmma's last two immediates: whether it reads A, and B, transposed from shared memory
+            "wgmma_transposed": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned[^;]*, ([01]), ([01]);", ptx)))}
 
 
 def attempt(fn, *args) -> dict:
@@ -303,6 +317,8 @@ def main(targets) -> dict:
                                **attempt(compile_gluon, "ws", 0, True)})
         out["results"].append({"cc": 90, "kernel": "ws_gelu_backward", "dtype": "bf16", "config": "fixed",
                                **attempt(compile_gluon, "ws", 2, True)})
+        out["results"].append({"cc": 90, "kernel": "ws_split_weight_grad", "dtype": "bf16", "config": "fixed",
+                               **attempt(compile_gluon, "ws", 3, True)})
     # The one-launch 16-bit AdamW, on a T4 and on Hopper.
     for cc in (75, 90):
         for aligned in (True, False):
