@@ -773,6 +773,42 @@ def test_balanced_programs_keep_the_waves_and_even_out_the_tiles():
         ws.balanced_programs(0, 132)
 
 
+def test_split_for_fills_one_wave_or_more_at_the_fewest_planes():
+    """launch_split's slices of K (split_for, from split_cost): attn.c_proj's dW (24 tiles of
+    128 x 192, 192 K-steps) takes 5 slices, 120 units in one wave of 132; the MLP's (96 tiles) 4,
+    384 units in three waves of 128 programs; no slice is ever empty (at most one per K-step);
+    and the output layer's, 1572 tiles, is not split at all."""
+    assert ws.split_for(768, 768, 12288, 132) == 5
+    assert ws.split_for(768, 3072, 12288, 132) == ws.split_for(3072, 768, 12288, 132) == 4
+    assert ws.split_for(50304, 768, 12288, 132) == 1
+    assert ws.split_for(128, 128, 192, 132) == 3 and ws.split_for(128, 128, 64, 132) == 1  # 3 K-steps, 1
+    for M, N, K in [(768, 768, 12288), (768, 3072, 12288), (2304, 768, 12288), (300, 200, 5000)]:
+        best = ws.split_for(M, N, K, 132)
+        costs = {s: ws.split_cost(M, N, K, s, 132) for s in range(1, 17)}
+        assert costs[best] == min(costs.values()), (M, N, K)
+    # Splitting costs the planes' sum: for an output that fills the GPU on its own, one slice.
+    assert ws.split_cost(12288, 768, 12288, 2, 132) > ws.split_cost(12288, 768, 12288, 1, 132)
+    assert ws.split_preferred(768, 768, 12288, 132) and ws.split_preferred(3072, 768, 12288, 132)
+    assert not ws.split_preferred(50304, 768, 12288, 132)   # 1572 tiles fill the waves unsplit
+    assert not ws.split_preferred(768, 768, 1024, 132)      # K too short to be worth slicing
+
+
+def test_split_operands_fit_only_the_weight_gradient_layout():
+    """launch_split takes A transposed (dY.t()), B row-major or as w.t(), an fp32 or 16-bit output,
+    and no epilogue; a row-major A belongs to the plain kernel."""
+    g, x, w = rand(256, 64), rand(256, 96), rand(96, 256)
+    c32 = torch.empty(64, 96, device=DEVICE)
+    fit = ws.split_operands_fit
+    assert ws.a_transposed(g.t()) is True and ws.a_transposed(g) is False
+    assert ws.a_transposed(rand(96, 80)[::2, ::2]) is None
+    assert fit(g.t(), x, c32, None, None, None) and fit(g.t(), w.t(), c32.bfloat16(), None, None, None)
+    assert not fit(g.t().contiguous(), x, c32, None, None, None)       # A row-major: the plain kernel
+    assert not fit(g.t(), x, c32, rand(96), None, None)                # no bias
+    assert not fit(g.t(), x, c32, None, "gelu", None)                  # no activation
+    assert not fit(g.t(), x, c32.half(), None, None, None)             # output fp32 or a's dtype
+    assert not fit(g.t()[:8], x, c32[:8], None, None, None)            # M < 16
+
+
 def test_group_rows_narrow_outputs_sweep_four_tile_rows():
     """Outputs at most four 192-wide tiles across (GPT-2's N = 768) take GROUP_M 4; wider ones,
     the output layer among them, keep the module's GROUP_M."""
@@ -848,11 +884,12 @@ def test_plan_on_sm90_takes_the_tma_kernel_where_its_layout_fits(fake_gpu):
     # dX = dY @ W (B row-major) into fp32, which the ws kernel does not write
     p = plan(fake_cuda(12288, 3072), fake_cuda(3072, 768), out=FakeCuda((12288, 768), dtype=torch.float32))
     assert (p.kernel, p.split_k) == ("tma", 1) and "row-major" in p.reason, p
-    p = plan(*_weight_grad(12288, 2304, 768))  # c_attn's dW: auto split-K would be 3
-    assert grouped.auto_split_k(2304, 768, 12288, 132) == 3
-    assert (p.kernel, p.split_k) == ("tma", 1) and "split-K 3" in p.reason, p
-    p = plan(*_weight_grad(12288, 3072, 768))  # c_fc's dW: 2
+    # dW for the output layer (1572 ws tiles: no need to split K): the TMA kernel
+    p = plan(*_weight_grad(12288, 50304, 768))
+    assert (p.kernel, p.split_k) == ("tma", 1) and "transposed" in p.reason, p
+    p = plan(*_weight_grad(12288, 2304, 768), kernel="tma")  # forced: unsplit
     assert (p.kernel, p.split_k) == ("tma", 1), p
+    assert grouped.auto_split_k(2304, 768, 12288, 132) == 3
     p = plan(*_weight_grad(12288, 2304, 768), kernel="grouped")  # forced grouped: split K as chosen
     assert (p.kernel, p.split_k) == ("grouped", 3), p
     # An fp32 output (dW for fp32 master weights) is fine for TMA loads, not for the ws kernel.
@@ -870,11 +907,17 @@ def test_plan_on_sm90_takes_the_tma_kernel_where_its_layout_fits(fake_gpu):
     assert plan(x, wt, bias, "gelu", kernel="tma").kernel == "tma"
 
 
-def test_plan_on_sm90_keeps_a_4_way_split_k_on_the_grouped_kernel(fake_gpu):
-    """attn.c_proj's dW (768 x 768 output, K = 12288 tokens): 36 tiles, split-K 8 >= 4, so the
-    grouped kernel, which can split K; forcing TMA runs it unsplit; an explicit split is kept."""
+def test_plan_on_sm90_keeps_a_4_way_split_k_on_the_grouped_kernel(fake_gpu, monkeypatch):
+    """attn.c_proj's dW (768 x 768 output, K = 12288 tokens): with Gluon, the warp-specialised
+    kernel in 5 slices of K. Without it: 36 tiles of 128 x 128, split-K 8 >= 4, so the grouped
+    kernel, which can split K; forcing TMA runs it unsplit; an explicit split is kept."""
     fake_gpu((9, 0))
     a, b = _weight_grad(12288, 768, 768)
+    if ws.WS_IMPORT_ERROR is None:  # with Gluon, the warp-specialised kernel splits K itself
+        p = plan(a, b)
+        assert (p.kernel, p.split_k) == ("ws", 5) and "5 slices" in p.reason and "split_preferred" in p.reason, p
+        assert (plan(a, b, kernel="ws").kernel, plan(a, b, kernel="ws", split_k=3).split_k) == ("ws", 3)
+    monkeypatch.setattr(ws, "split_eligible", lambda *args: False)  # as on a Triton without Gluon
     p = plan(a, b)
     assert (p.kernel, p.split_k) == ("grouped", 8) and "split-K 8" in p.reason, p
     assert (plan(a, b, kernel="grouped").kernel, plan(a, b, kernel="grouped").split_k) == ("grouped", 8)
@@ -959,6 +1002,7 @@ def test_matmul_runs_what_plan_says(fake_gpu, monkeypatch):
 
     for module in (grouped, tma, ws):
         monkeypatch.setattr(module, "launch", recorder(module.__name__.rsplit(".", 1)[1]))
+    monkeypatch.setattr(ws, "launch_split", recorder("ws"))
     monkeypatch.setattr(launch, "CACHE", {})
     monkeypatch.delenv("MPGPT_LEAN_LAUNCH", raising=False)
     for cc in ((8, 0), (9, 0)):
@@ -972,7 +1016,7 @@ def test_matmul_runs_what_plan_says(fake_gpu, monkeypatch):
             out = FakeCuda((args[0].shape[0], args[1].shape[1]))
             calls.clear()
             matmul(*args, out=out, **kw)
-            assert calls == [(expected.kernel, expected.split_k if expected.kernel == "grouped" else 1)], (cc, expected)
+            assert calls == [(expected.kernel, expected.split_k)], (cc, expected)
             matmul(*args, out=out, **kw)  # same signature: the remembered launch
             assert calls[1:] == [(expected.kernel, "replay")], (cc, expected)
     assert {p.kernel for p, _ in launch.CACHE.values()} >= {"grouped", "tma"}

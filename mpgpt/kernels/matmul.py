@@ -260,7 +260,7 @@ def _matmul_2d(a, b, c, bias=None, z=None, activation=None, kernel="auto", split
     if c.shape[0] == 0 or c.shape[1] == 0:
         return c
     if p.kernel == "ws" and ws.a_transposed(a):
-        replay = ws.launch_split(a, b, c, p.split_k)
+        replay = ws.launch_split(a, b, c, split_k=p.split_k)
     elif p.kernel == "ws":
         replay = ws.launch(a, b, c, bias)
     elif p.kernel == "streamk":
