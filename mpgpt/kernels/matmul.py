@@ -22,7 +22,8 @@ Four kernels, one file each:
    TMA descriptor can address (16-byte aligned, one unit stride each), any of the layouts a
    linear layer's forward and backward products use.
 3. ws.py — sm_90 only, written in Gluon: warp-specialised, 128 x 192 tiles, without
-   activation, for the forward layout a @ w.t() and a row-major B, as dX = dY @ W reads W.
+   activation, for the forward layout a @ w.t() and a row-major B, as dX = dY @ W reads W;
+   and for a transposed A, as dW = dY.t() @ X reads dY, with K split into fp32 planes.
 4. streamk.py — sm_90 (and the interpreter): the TMA kernel's loads, with every (tile, K-step)
    pair shared out evenly over a persistent grid, for products whose tiles fill the waves badly
    (a weight gradient: few tiles, a long K). No epilogue; chosen only by `kernel="streamk"`.
@@ -32,7 +33,10 @@ runs what `plan` says, so the two cannot disagree. `kernel="auto"` (the default)
 
 * Triton's CPU interpreter: the grouped kernel;
 * below sm_90 (A100 sm_80, L4 sm_89, T4 sm_75): the grouped kernel;
-* sm_90: the warp-specialised kernel where it can run (ws.ws_eligible: the forward layout or a
+* sm_90, A transposed (a weight gradient): the warp-specialised kernel with K in slices
+  (ws.split_eligible) where its tiles alone make less than a wave and K is long
+  (ws.split_preferred; the slices from ws.split_for);
+* sm_90 otherwise: the warp-specialised kernel where it can run (ws.ws_eligible: the forward layout or a
   row-major B) and its tiles fill the GPU's waves about as well as the TMA kernel's (ws.ws_preferred);
   otherwise the TMA kernel wherever it can read the operands, except a product whose automatic
   split-K is 4 or more, which stays on the grouped kernel (it can split K, the TMA kernel
@@ -102,7 +106,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         "grouped", "tma", "ws" or "streamk" (to compare them). Without a GPU every choice runs
         the grouped kernel in the interpreter, except "streamk", which runs there too.
     split_k: programs that share one output tile, each summing a slice of K into an fp32
-        partial that the host then adds (grouped kernel; no bias or activation). None chooses
+        partial that the host then adds (the grouped kernel, or with kernel="ws" the
+        warp-specialised one for a transposed A; no bias or activation). None chooses
         from the shape on a GPU: more than 1 only when there are too few output tiles to fill
         the GPU and K is long, the shape of a weight gradient dW = dY^T X (out x in, K = tokens).
 

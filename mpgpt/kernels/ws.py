@@ -52,6 +52,13 @@ make room, and writes dZ from registers). On an H100 it took 144.5 us at GPT-2's
 versions and why they were slower: _gelu_grad_partition, benchmarks/NOTES-train.md). It has not
 been timed in the training step yet, so the MLP uses it only when asked (kernels/mlp.py,
 gelu_backward="epilogue").
+`launch_split` runs it for the weight gradient dW = dY.t() @ X (A read transposed: the producer
+loads (K, M) boxes of dY and the MMA reads them as transposed views, as it reads w). Such a
+product has few output tiles and a long K (attn.c_proj's dW: 24 tiles of 128 x 192 for 132
+multiprocessors, 192 K-steps each), so each tile's K-steps are split into SPLIT_K slices, each a
+work unit of its own (EPILOGUE=3: its fp32 product goes from registers into plane s of a
+(SPLIT_K, M, N) buffer, and the host adds the planes with one rounding). `split_for` picks the
+slices from a cost model (`split_cost`), and `split_preferred` says where `auto` takes this path.
 Everything else goes to the TMA kernel (tma.py) or the grouped kernel (grouped.py); `matmul.plan` decides,
 using `ws_eligible` and `ws_preferred`. Gluon kernels run only compiled (there is no interpreter
 for them); where Gluon is missing, WS_IMPORT_ERROR says why and nothing here is used.
