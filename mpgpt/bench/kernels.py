@@ -33,8 +33,9 @@ between runs so we do not time the cache):
    dX = dY @ W on cuBLAS, `auto` and the warp-specialised kernel reading W row-major; dW =
    dY.t() @ X on cuBLAS (bf16 out, as nn.Linear under autocast computes it) against the
    package's kernels writing fp32 (as TritonLinear does for fp32 master weights): `auto`, the
-   TMA kernel unsplit, and stream-K (streamk.py). Part 3 also times TritonLinear with dW on
-   stream-K, and with dX on the ws kernel too (`grad_kernels` in each row).
+   TMA kernel unsplit, the warp-specialised kernel with K in slices (ws.launch_split), and
+   stream-K (streamk.py). Part 3 also times TritonLinear with dW on the TMA kernel, on stream-K,
+   and with dX on the ws kernel too (`grad_kernels` in each row).
 8. The last sums of the one-pass kernels' partial-sum tables, at the tables GPT-2 small's step
    leaves (LayerNorm's, GELU's and the head merge's), with the result in bf16 as a bf16 model
    keeps its parameters: torch's sum followed by the casts, against `partials.sum_partials`, as
@@ -556,13 +557,15 @@ def bench_linear(M=12288):
         graph_ref = _graph_ms(step(ref_layer), params)
         graph_tri = _graph_ms(step(tri_layer), params)
         # The same layer with its gradient products on other kernels, where they can run (sm_90):
-        # dW on stream-K, then dX on the warp-specialised kernel as well. `auto` elsewhere.
+        # dW on the TMA kernel unsplit, dW on stream-K, then dX on the warp-specialised kernel as
+        # well. `auto` elsewhere.
         # Each setting's gradients are first compared with the default path's, so a wrong kernel
         # cannot pass as a fast one.
         grad_kernels = {}
         if kenv.capability(x.device) == (9, 0):
             reference_grads = _grads(step(tri_layer), params)
-            for name, dx_kernel, dw_kernel in (("dw_streamk", "auto", "streamk"), ("dx_ws_dw_streamk", "ws", "streamk")):
+            for name, dx_kernel, dw_kernel in (("dw_tma", "auto", "tma"), ("dw_streamk", "auto", "streamk"),
+                                               ("dx_ws_dw_streamk", "ws", "streamk")):
                 linear.INPUT_GRAD_KERNEL, linear.WEIGHT_GRAD_KERNEL = dx_kernel, dw_kernel
                 try:
                     diffs = [((g - r).norm() / r.norm()).item()
@@ -596,7 +599,8 @@ def bench_gradients(tokens=12288):
                   and the warp-specialised kernel reading W row-major (`ws`), all into bf16;
     dW = dY.t() @ X  (out, tokens) @ (tokens, in): cuBLAS into bf16 (nn.Linear under autocast)
                   against the package's kernels into fp32 (TritonLinear with fp32 master weights):
-                  `auto`'s choice, the TMA kernel unsplit, and stream-K."""
+                  `auto`'s choice, the TMA kernel unsplit, the warp-specialised kernel with K
+                  in slices (`ws`), and stream-K."""
     rows = []
     for label, fout, fin in GRAD_SHAPES:
         g = torch.randn(tokens, fout, device="cuda", dtype=torch.bfloat16)
@@ -604,7 +608,7 @@ def bench_gradients(tokens=12288):
         w = torch.randn(fout, fin, device="cuda", dtype=torch.bfloat16)
         flops = 2.0 * fout * fin * tokens
         for product, a, b, out_dtype, kerns in (("dX", g, w, torch.bfloat16, ("auto", "ws")),
-                                                ("dW", g.t(), x, torch.float32, ("auto", "tma", "streamk"))):
+                                                ("dW", g.t(), x, torch.float32, ("auto", "tma", "ws", "streamk"))):
             ref = a.double() @ b.double()
             ms = _graph_ms(lambda: torch.mm(a, b))
             row = {"layer": label, "product": product, "out": fout, "in": fin, "tokens": tokens,

@@ -599,40 +599,67 @@ def group_rows(N: int) -> int:
     return 4 if -(-N // (BLOCK_N + EXTRA_N)) <= 4 else GROUP_M
 
 
-# The cost model behind split_for, in K-steps of one 128 x 192 x 64 tile on one multiprocessor
-# (about 0.6 us at GPT-2's N = 768 products on an H100 and an H200: 144 steps a program in 88-92 us).
-_UNIT_STEPS = 4          # a work unit's fixed cost: filling the ring, the epilogue
-_STEP_US = 0.6
-_SUM_BYTES_PER_US = 3e6  # the host's sum of the planes: each plane read once, the output written once
+# The cost model behind split_for and split_preferred, in microseconds, fitted to replayed graphs on
+# an H100 (the weight gradients of GPT-2's layers, 12288 tokens, 1 to 12 slices):
+# * a K-step of one 128 x 192 x 64 tile on one multiprocessor takes _STEP_US[0] + _STEP_US[1] * the
+#   share of the multiprocessors at work: 0.47-0.53 us with a fifth to a half of them busy, 0.57-0.66
+#   with nearly all (they share L2, memory and the power budget);
+# * each work unit adds _UNIT_STEPS K-steps (filling the ring, the epilogue);
+# * the host's sum of the fp32 planes: _SUM_US, plus each plane read once and the output written once
+#   at _SUM_BYTES_PER_US (9.2 us for 3 planes of 768 x 768 to 52.8 us for 13 of 768 x 3072).
+_STEP_US = (0.45, 0.2)
+_UNIT_STEPS = 4
+_SUM_US = 7.0
+_SUM_BYTES_PER_US = 2.8e6
+
+
+def _step_us(programs: int, num_sms: int) -> float:
+    return _STEP_US[0] + _STEP_US[1] * min(programs, num_sms) / num_sms
 
 
 def split_cost(M: int, N: int, K: int, split_k: int, num_sms: int) -> float:
-    """Predicted time of launch_split with `split_k` slices, in K-steps (see the constants above):
-    the busiest program's units (waves of balanced programs, each unit its share of the K-steps
-    plus _UNIT_STEPS), plus the sum of the fp32 planes where there is one to do."""
-    tiles = -(-M // BLOCK_M) * -(-N // (BLOCK_N + EXTRA_N))
+    """Predicted microseconds of launch_split with `split_k` slices (see the constants above): the
+    busiest program's units (waves of balanced programs, each unit its share of the K-steps plus
+    _UNIT_STEPS), plus the sum of the fp32 planes where there is one to do."""
+    units = -(-M // BLOCK_M) * -(-N // (BLOCK_N + EXTRA_N)) * split_k
     k_tiles = -(-K // BLOCK_K)
-    waves = -(-(tiles * split_k) // num_sms)
-    steps = waves * (-(-k_tiles // split_k) + _UNIT_STEPS)
+    waves = -(-units // num_sms)
+    us = waves * (-(-k_tiles // split_k) + _UNIT_STEPS) * _step_us(balanced_programs(units, num_sms), num_sms)
     if split_k > 1:
-        steps += (split_k + 1) * M * N * 4 / _SUM_BYTES_PER_US / _STEP_US
-    return steps
+        us += _SUM_US + (split_k + 1) * M * N * 4 / _SUM_BYTES_PER_US
+    return us
 
 
-def split_preferred(M: int, N: int, K: int, num_sms: int) -> bool:
-    """Whether kernel="auto" should run a product with a transposed A through launch_split:
-    where its 128 x 192 tiles make less than one wave, so that only slices of K can fill the
-    GPU, and K is long (at least 16 K-steps a slice in two slices)."""
-    tiles = -(-M // BLOCK_M) * -(-N // (BLOCK_N + EXTRA_N))
-    return tiles < num_sms and K >= 32 * BLOCK_K
+def tma_cost(M: int, N: int, K: int, num_sms: int) -> float:
+    """The same model for the TMA kernel unsplit: waves of its 128 x 128 tiles, each K-step two
+    thirds of a 128 x 192 one (c_attn's dW: 78.6 us predicted, 77.2 measured)."""
+    tiles = -(-M // 128) * -(-N // 128)
+    return -(-tiles // num_sms) * -(-K // BLOCK_K) * 2 / 3 * _step_us(tiles, num_sms)
 
 
 def split_for(M: int, N: int, K: int, num_sms: int, most: int = 16) -> int:
     """The slices of K for launch_split that split_cost predicts fastest (1 to `most`, at
     least one K-step each). attn.c_proj's dW (768 x 768, K = 12288): 5 slices, 120 units of
-    38-39 K-steps, one wave."""
+    38-39 K-steps, one wave; the MLP's (96 tiles): 1, since the sum of the planes would cost more
+    than the idle multiprocessors."""
     k_tiles = -(-K // BLOCK_K)
     return min(range(1, min(most, k_tiles) + 1), key=lambda s: (split_cost(M, N, K, s, num_sms), s))
+
+
+def split_preferred(M: int, N: int, K: int, num_sms: int) -> bool:
+    """Whether kernel="auto" should run a product with a transposed A through launch_split rather
+    than on the TMA kernel: where split_cost (at split_for's slices) is below tma_cost. Measured on
+    an H100 as replayed graphs, the weight gradients of GPT-2's layers (12288 tokens), µs:
+
+        layer        TMA kernel   launch_split           cuBLAS (bf16 output)
+        c_attn       77.2         95.6 (1 slice)         66.2
+        attn.c_proj  72.4         41.0 (5 slices)        39.2
+        c_fc         127.7        101.5 (1 slice)        84.4
+        mlp.c_proj   126.8        101.0 (1 slice)        84.3
+
+    The TMA kernel's 108 tiles for c_attn fill one wave; the MLP's 144 make two, the second
+    nearly empty; attn.c_proj's 36 leave most of the GPU idle unless K is sliced."""
+    return split_cost(M, N, K, split_for(M, N, K, num_sms), num_sms) < tma_cost(M, N, K, num_sms)
 
 
 def ws_preferred(M: int, N: int, num_sms: int) -> bool:
