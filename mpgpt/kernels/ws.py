@@ -189,10 +189,9 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
 
     @gluon.jit
     def _mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem, c2_smem,
-                       bias_ptr, out_ptr, part_ptr, M, N, K,
+                       bias_ptr, part_ptr, M, N, K,
                        HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr, A_T: gl.constexpr, B_ROW_MAJOR: gl.constexpr,
-                       GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr, FIXUP: gl.constexpr, STAGES: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
         """The default partition: the MMAs and the epilogue of every tile (or, split along K,
         every work unit) of this program."""
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
@@ -250,14 +249,10 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                 y, y2 = acc + bias, acc2 + bias2
             if EPILOGUE == 3:
                 # The unit's fp32 partial sum, from registers into its slice's plane of
-                # part (SPLIT_K, M, N). Without FIXUP the host adds the planes; with it, the
-                # last of a tile's units to finish adds them here (_add_tile_planes).
+                # part (SPLIT_K, M, N); the host adds the planes, in slice order, with one rounding.
                 plane = part_ptr + (unit // num_tiles).to(gl.int64) * M * N
                 _store_rows(plane, acc, off_m, 0, off_n, M, N, BLOCK_M, BLOCK_N, layout)
                 _store_rows(plane, acc2, off_m, 0, off_n + BLOCK_N, M, N, BLOCK_M, EXTRA_N, layout2)
-                if FIXUP:
-                    _add_tile_planes(part_ptr, out_ptr, bias_ptr + tile_id, off_m, off_n, M, N, BLOCK_M, BLOCK_N,
-                                     EXTRA_N, SPLIT_K, layout, layout2, num_warps)
             elif EPILOGUE >= 1:
                 # The tile, rounded once, goes to the epilogue partition through c_smem / c2_smem
                 # (Z for EPILOGUE 1, dH for EPILOGUE 2); these warps go on to the next tile's MMAs
@@ -278,54 +273,6 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                 tma_store(c_desc, [off_m, off_n], c_smem)
                 tma_store(c2_desc, [off_m, off_n + BLOCK_N], c2_smem)
         tma.store_wait(pendings=0)
-
-    @gluon.jit
-    def _fence_gpu(layout: gl.constexpr, num_warps: gl.constexpr):
-        """fence.acq_rel.gpu in every thread of the partition (PTX has no fence in Gluon's language:
-        inline assembly on one dummy value a thread)."""
-        one = gl.full([32 * num_warps], 0, gl.int32, layout)
-        gl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [one], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-    @gluon.jit
-    def _add_tile_planes(part_ptr, out_ptr, count_ptr, off_m, off_n, M, N, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, EXTRA_N: gl.constexpr, SPLIT_K: gl.constexpr, layout: gl.constexpr,
-                         layout2: gl.constexpr, num_warps: gl.constexpr):
-        """After a unit stored its plane of a tile: count it on the tile's counter, and if it was the
-        last of the tile's SPLIT_K units, add the tile's planes in slice order (the same order
-        whichever unit finishes last, so the result repeats bit for bit), round once into out
-        (M, N, contiguous), and reset the counter to 0 for the next launch. The planes are read
-        through L2 (.cg), where the other programs' stores are, not from this multiprocessor's L1.
-        Release: every thread fences its stores, the partition meets at a barrier, then one atomic
-        add (acq_rel, GPU scope) counts the unit; acquire: that atomic, then a fence in every thread
-        before the loads."""
-        flat: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-        _fence_gpu(flat, num_warps)
-        _sync_partition()
-        lanes = gl.arange(0, 32 * num_warps, layout=flat)
-        # one thread counts the unit; a max over the partition hands its ticket to every thread
-        ticket = gl.atomic_add(count_ptr + lanes * 0, gl.full([32 * num_warps], 1, gl.int32, flat),
-                               mask=lanes == 0, sem="acq_rel", scope="gpu")
-        ticket = gl.max(gl.where(lanes == 0, ticket, -1), axis=0)
-        if ticket == SPLIT_K - 1:
-            _fence_gpu(flat, num_warps)
-            rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-            cols = cols_of(off_n, BLOCK_N, layout)
-            cols2 = cols_of(off_n + BLOCK_N, EXTRA_N, layout2)
-            rows2 = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout2))
-            offs = gl.expand_dims(rows.to(gl.int64) * N, 1) + gl.expand_dims(cols, 0)
-            mask = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
-            offs2 = gl.expand_dims(rows2.to(gl.int64) * N, 1) + gl.expand_dims(cols2, 0)
-            mask2 = gl.expand_dims(rows2 < M, 1) & gl.expand_dims(cols2 < N, 0)
-            total = gl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            total2 = gl.load(part_ptr + offs2, mask=mask2, other=0.0, cache_modifier=".cg")
-            for s in gl.static_range(1, SPLIT_K):
-                plane = part_ptr + s * M.to(gl.int64) * N
-                total += gl.load(plane + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                total2 += gl.load(plane + offs2, mask=mask2, other=0.0, cache_modifier=".cg")
-            gl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
-            gl.store(out_ptr + offs2, total2.to(out_ptr.dtype.element_ty), mask=mask2)
-            gl.store(count_ptr, 0)
 
     @gluon.jit
     def _gelu_partition(c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, M, N,
@@ -487,8 +434,6 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         B_ROW_MAJOR: gl.constexpr,          # False: b_desc describes w (N, K); True: B (K, N) row-major
         GROUP_M: gl.constexpr,
         SPLIT_K: gl.constexpr,              # work units per tile, each a slice of K (only with EPILOGUE 3)
-        FIXUP: gl.constexpr,                # EPILOGUE 3: the last unit of a tile adds its planes into C itself;
-                                            # bias_ptr is then the tiles' int32 counters (zeros)
         STAGES: gl.constexpr,               # shared-memory stages in the load ring
         num_warps: gl.constexpr,            # of the MMA partition (the producer adds one warp)
     ):
@@ -526,8 +471,8 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             fence_async_shared()
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem,
-                                  c2_smem, bias_ptr, out_ptr, part_ptr, M, N, K, False, EPILOGUE, A_T, B_ROW_MAJOR,
-                                  GROUP_M, SPLIT_K, FIXUP, STAGES, num_warps)),
+                                  c2_smem, bias_ptr, part_ptr, M, N, K, False, EPILOGUE, A_T, B_ROW_MAJOR, GROUP_M,
+                                  SPLIT_K, STAGES, num_warps)),
                 (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, A_T, B_ROW_MAJOR,
                              GROUP_M, SPLIT_K, STAGES)),
                 (_gelu_grad_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_smem, z2_smem, z_ready,
@@ -536,8 +481,8 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         elif EPILOGUE == 1:
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem,
-                                  c2_smem, bias_ptr, out_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T,
-                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, FIXUP, STAGES, num_warps)),
+                                  c2_smem, bias_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T, B_ROW_MAJOR,
+                                  GROUP_M, SPLIT_K, STAGES, num_warps)),
                 (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, A_T, B_ROW_MAJOR,
                              GROUP_M, SPLIT_K, STAGES)),
                 (_gelu_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, M, N,
@@ -546,8 +491,8 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         else:
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem,
-                                  c2_smem, bias_ptr, out_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T,
-                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, FIXUP, STAGES, num_warps)),
+                                  c2_smem, bias_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T, B_ROW_MAJOR,
+                                  GROUP_M, SPLIT_K, STAGES, num_warps)),
                 (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, A_T, B_ROW_MAJOR,
                              GROUP_M, SPLIT_K, STAGES)),
             ], [1], [40])
@@ -660,15 +605,12 @@ def group_rows(N: int) -> int:
 #   share of the multiprocessors at work: 0.47-0.53 us with a fifth to a half of them busy, 0.57-0.66
 #   with nearly all (they share L2, memory and the power budget);
 # * each work unit adds _UNIT_STEPS K-steps (filling the ring, the epilogue);
-# * with split_k > 1, the last unit of a tile reads the tile's split_k fp32 planes back from L2 and
-#   writes the sum: _PLANE_US a plane of 128 x 192 (96 KB at about 120 GB/s, one multiprocessor's
-#   share of L2's bandwidth), on the critical path about once a program.
-#   (When the host summed the planes instead, with torch.sum, that took about 7 us plus the planes
-#   read and the output written at 2.8 TB/s: 9.2 us for 3 planes of 768 x 768 to 52.8 us for 13 of
-#   768 x 3072.)
+# * the host's sum of the fp32 planes: _SUM_US, plus each plane read once and the output written once
+#   at _SUM_BYTES_PER_US (9.2 us for 3 planes of 768 x 768 to 52.8 us for 13 of 768 x 3072).
 _STEP_US = (0.45, 0.2)
 _UNIT_STEPS = 4
-_PLANE_US = 0.8
+_SUM_US = 7.0
+_SUM_BYTES_PER_US = 2.8e6
 
 
 def _step_us(programs: int, num_sms: int) -> float:
@@ -678,13 +620,13 @@ def _step_us(programs: int, num_sms: int) -> float:
 def split_cost(M: int, N: int, K: int, split_k: int, num_sms: int) -> float:
     """Predicted microseconds of launch_split with `split_k` slices (see the constants above): the
     busiest program's units (waves of balanced programs, each unit its share of the K-steps plus
-    _UNIT_STEPS), plus one tile's sum of the fp32 planes where there is one to do."""
+    _UNIT_STEPS), plus the sum of the fp32 planes where there is one to do."""
     units = -(-M // BLOCK_M) * -(-N // (BLOCK_N + EXTRA_N)) * split_k
     k_tiles = -(-K // BLOCK_K)
     waves = -(-units // num_sms)
     us = waves * (-(-k_tiles // split_k) + _UNIT_STEPS) * _step_us(balanced_programs(units, num_sms), num_sms)
     if split_k > 1:
-        us += split_k * _PLANE_US
+        us += _SUM_US + (split_k + 1) * M * N * 4 / _SUM_BYTES_PER_US
     return us
 
 
@@ -791,14 +733,12 @@ N_TENSORS = 10  # the arguments that change from call to call: seven descriptors
 STAGES_GELU_BACKWARD = 3
 
 
-def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, part=None, split_k=1, fixup=False,
-              out=None):
+def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, part=None, split_k=1):
     """Launch c = a @ b (+ bias) on the warp-specialised kernel (the caller checked ws_eligible),
     or with epilogue 1 (z = a @ b + bias, c = gelu(z)), or 2 (c = (a @ b) * gelu'(z), and with
     ``part`` the column sums of that, see gelu_backward_fused), or 3 (``part`` (split_k, M, N)
     fp32 receives the product of each slice of K; c is then only a 16-bit stand-in for the
-    unused C descriptors, see launch_split; with ``fixup`` the kernel adds the planes into
-    ``out`` itself, and ``bias`` is the tiles' int32 counters). Returns (the jitted kernel, the compiled kernel,
+    unused C descriptors, see launch_split). Returns (the jitted kernel, the compiled kernel,
     grid, args, kwargs): what launch.compiled_launch needs to repeat it, with the N_TENSORS
     tensor arguments first."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -811,12 +751,10 @@ def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, par
                       _layouts7(a.dtype, row_major_b, a_t)))
     units = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N + EXTRA_N) * split_k
     grid = (min(num_programs or balanced_programs(units, num_sms), units),)
-    args = (*descs, bias if bias is not None else c, c if out is None else out, part if part is not None else c,
-            M, N, K)
-    has_bias = part is not None if epilogue == 2 else (bias is not None and epilogue != 3)
+    args = (*descs, bias if bias is not None else c, c, part if part is not None else c, M, N, K)
+    has_bias = part is not None if epilogue == 2 else bias is not None
     kwargs = dict(HAS_BIAS=has_bias, EPILOGUE=epilogue, A_T=a_t, B_ROW_MAJOR=row_major_b, GROUP_M=group_rows(N),
-                  SPLIT_K=split_k, FIXUP=fixup, STAGES=STAGES_GELU_BACKWARD if epilogue == 2 else STAGES,
-                  num_warps=NUM_WARPS)
+                  SPLIT_K=split_k, STAGES=STAGES_GELU_BACKWARD if epilogue == 2 else STAGES, num_warps=NUM_WARPS)
     compiled = matmul_ws_kernel[grid](*args, **kwargs)
     return matmul_ws_kernel, compiled, grid, args, kwargs
 
@@ -844,27 +782,13 @@ def _add_planes(part, c):
         c.copy_(part.sum(dim=0))
 
 
-_COUNTERS: dict = {}  # device index -> int32 zeros, one counter per tile (launch_split's fixup)
-
-
-def _counters(device, tiles):
-    """Zeros for `tiles` tile counters on `device`. Each launch leaves them zero again (the last
-    unit of a tile resets its counter), so one buffer serves every launch on a stream; two launches
-    running at once on different streams would need a buffer each."""
-    have = _COUNTERS.get(device.index)
-    if have is None or have.numel() < tiles:
-        have = _COUNTERS[device.index] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-    return have
-
-
 def launch_split(a, b, c, split_k):
     """c = a @ b for a transposed A (the caller checked split_eligible) through fp32 partial sums:
     the kernel splits each 128 x 192 tile's K-steps into `split_k` slices (work units of their
-    own, so that few tiles and a long K, as in a weight gradient, still fill the GPU), and each
-    unit writes its slice's fp32 product into plane s of a (split_k, M, N) buffer. The last unit of
-    a tile to finish adds the tile's planes in slice order and rounds once into c (FIXUP; the same
-    order whichever unit is last, so the result repeats bit for bit); where c is not contiguous the
-    host adds the planes instead (torch.sum). With split_k = 1 and a contiguous fp32 c, the kernel
+    own, so that few tiles and a long K, as in a weight gradient, still fill the GPU), each unit
+    writes its slice's fp32 product into plane s of a (split_k, M, N) buffer, and the host adds
+    the planes with one rounding into c (torch.sum over the planes: the same order every call,
+    so the result repeats bit for bit). With split_k = 1 and a contiguous fp32 c, the kernel
     writes c directly. Returns a replay function `(a, b, c, bias, z)`, as `launch` does, or None."""
     M, K = a.shape
     N = b.shape[1]
@@ -872,17 +796,14 @@ def launch_split(a, b, c, split_k):
         raise ValueError(f"split_k must be between 1 and the {triton.cdiv(K, BLOCK_K)} K-steps of {BLOCK_K}, "
                          f"got {split_k}")
     direct = split_k == 1 and c.dtype == torch.float32 and c.is_contiguous()
-    fixup = split_k > 1 and c.is_contiguous()
-    tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N + EXTRA_N)
 
     def planes(c):
         return c.view(1, M, N) if direct else torch.empty((split_k, M, N), dtype=torch.float32, device=c.device)
     stand_in = a.t()  # a 16-bit tensor for the C and Z descriptors, which this epilogue never uses
     part = planes(c)
-    counters = _counters(a.device, tiles) if fixup else None
-    jit_fn, compiled, grid, args, kwargs = ws_launch(a, b, stand_in, counters, env.num_sms(a.device), epilogue=3,
-                                                     part=part, split_k=split_k, fixup=fixup, out=c)
-    if not (direct or fixup):
+    jit_fn, compiled, grid, args, kwargs = ws_launch(a, b, stand_in, None, env.num_sms(a.device), epilogue=3,
+                                                     part=part, split_k=split_k)
+    if not direct:
         _add_planes(part, c)
     remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=N_TENSORS)
     if remembered is None:
@@ -891,9 +812,8 @@ def launch_split(a, b, c, split_k):
 
     def replay(a, b, c, bias, z):
         part = planes(c)
-        remembered(a.device.index, *lean_descriptors(a, b, a.t(), None, row_major_b, True),
-                   counters if fixup else a.t(), c, part)
-        if not (direct or fixup):
+        remembered(a.device.index, *lean_descriptors(a, b, a.t(), None, row_major_b, True), a.t(), a.t(), part)
+        if not direct:
             _add_planes(part, c)
     return replay
 
