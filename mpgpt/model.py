@@ -593,7 +593,7 @@ class GPT(nn.Module):
         ``layers="mlp+qkv"`` adds ``mpgpt.kernels.qkv.qkv_heads`` to each attention layer: c_attn
         as before, with its backward's head merge and bias gradient in one Triton pass.
         ``weight_grad_kernel`` (the fused MLP only): "cublas", or a kernel of
-        ``mpgpt.kernels.matmul`` for the MLP's two weight gradients ("streamk"). ``gelu_backward``
+        ``mpgpt.kernels.matmul`` for the MLP's two weight gradients ("auto", "ws", "streamk", ...). ``gelu_backward``
         (the fused MLP only): "pass" (GELU's backward in its own Triton pass after cuBLAS's
         dOut W_proj) or "epilogue" (in that product's epilogue, one launch; sm_90). The new
         layers share the very same Parameter objects, so an optimizer built before the swap keeps

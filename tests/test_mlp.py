@@ -138,7 +138,7 @@ def test_the_weight_gradients_on_streamk(monkeypatch):
     for name, t, ref in zip(("x", "w_fc", "b_fc", "w_proj", "b_proj"), (x, w_fc, b_fc, w_proj, b_proj), ref_grads):
         assert t.grad.dtype == torch.float32, name
         assert rel_err(t.grad, ref) < TOL, f"{name}: {rel_err(t.grad, ref):.2e}"
-    for bad in ("stream-k", "ws"):  # a typo; a kernel that cannot read a weight gradient's layout
+    for bad in ("stream-k", "cuBLAS"):  # typos: the names are matmul's kernels and "cublas"
         with pytest.raises(ValueError, match="weight_grad_kernel must be one of"):
             mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, weight_grad_kernel=bad)
 
