@@ -78,9 +78,9 @@ SPLIT_K_OVER_TMA = 4
 class Plan:
     """Which kernel `matmul` runs for a call, and why.
 
-    kernel: "grouped", "tma", "ws" or "streamk"; split_k: programs along K per output tile (1: unsplit;
-    the grouped kernel splits, and the ws kernel for a transposed A); interpreted: Triton's CPU interpreter runs it; reason: one
-    line for humans, e.g. "sm_90, forward layout a @ w.t(), no activation: 128x192 tiles fill
+    kernel: "grouped", "tma", "ws" or "streamk"; split_k: programs along K per output tile (1:
+    unsplit; the grouped kernel splits, and the ws kernel for a transposed A); interpreted:
+    Triton's CPU interpreter runs it; reason: one line for humans, e.g. "sm_90, forward layout a @ w.t(), no activation: 128x192 tiles fill
     the waves better (ws_preferred)"."""
 
     kernel: str
