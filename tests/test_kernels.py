@@ -894,6 +894,9 @@ def test_plan_on_sm90_takes_the_tma_kernel_where_its_layout_fits(fake_gpu):
     # dX = dY @ W (B row-major) into fp32, which the ws kernel does not write
     p = plan(fake_cuda(12288, 3072), fake_cuda(3072, 768), out=FakeCuda((12288, 768), dtype=torch.float32))
     assert (p.kernel, p.split_k) == ("tma", 1) and "row-major" in p.reason, p
+    p = plan(*_weight_grad(12288, 2304, 768))  # c_attn's dW: the TMA kernel's 108 tiles fill a wave
+    assert grouped.auto_split_k(2304, 768, 12288, 132) == 3
+    assert (p.kernel, p.split_k) == ("tma", 1) and "split-K 3" in p.reason, p
     # dW for the output layer (1572 ws tiles: no need to split K): the TMA kernel
     p = plan(*_weight_grad(12288, 50304, 768))
     assert (p.kernel, p.split_k) == ("tma", 1) and "transposed" in p.reason, p
@@ -917,7 +920,7 @@ def test_plan_on_sm90_takes_the_tma_kernel_where_its_layout_fits(fake_gpu):
     assert plan(x, wt, bias, "gelu", kernel="tma").kernel == "tma"
 
 
-def test_plan_on_sm90_keeps_a_4_way_split_k_on_the_grouped_kernel(fake_gpu, monkeypatch):
+def test_plan_on_sm90_splits_k_for_a_weight_gradient_with_few_tiles(fake_gpu, monkeypatch):
     """attn.c_proj's dW (768 x 768 output, K = 12288 tokens): with Gluon, the warp-specialised
     kernel in 5 slices of K. Without it: 36 tiles of 128 x 128, split-K 8 >= 4, so the grouped
     kernel, which can split K; forcing TMA runs it unsplit; an explicit split is kept."""
@@ -927,6 +930,10 @@ def test_plan_on_sm90_keeps_a_4_way_split_k_on_the_grouped_kernel(fake_gpu, monk
         p = plan(a, b)
         assert (p.kernel, p.split_k) == ("ws", 5) and "5 slices" in p.reason and "split_preferred" in p.reason, p
         assert (plan(a, b, kernel="ws").kernel, plan(a, b, kernel="ws", split_k=3).split_k) == ("ws", 3)
+        with pytest.raises(ValueError, match="split_k must be between 1 and the 192 K-steps"):
+            plan(a, b, kernel="ws", split_k=193)  # an empty slice: refused by plan, as by matmul
+        with pytest.raises(ValueError, match="transposed A"):
+            plan(*_forward(12288, 768, 768), kernel="ws", split_k=2)  # a row-major A: ws does not split it
     monkeypatch.setattr(ws, "split_eligible", lambda *args: False)  # as on a Triton without Gluon
     p = plan(a, b)
     assert (p.kernel, p.split_k) == ("grouped", 8) and "split-K 8" in p.reason, p
@@ -1012,24 +1019,29 @@ def test_matmul_runs_what_plan_says(fake_gpu, monkeypatch):
 
     for module in (grouped, tma, ws):
         monkeypatch.setattr(module, "launch", recorder(module.__name__.rsplit(".", 1)[1]))
-    monkeypatch.setattr(ws, "launch_split", recorder("ws"))
+    monkeypatch.setattr(ws, "launch_split", recorder("ws_split"))
     monkeypatch.setattr(launch, "CACHE", {})
     monkeypatch.delenv("MPGPT_LEAN_LAUNCH", raising=False)
     for cc in ((8, 0), (9, 0)):
         fake_gpu(cc)
         x, wt = _forward(12288, 768, 768)
         cases = [((x, wt), {}), ((x, wt, fake_cuda(768), "gelu"), {}), (_weight_grad(12288, 768, 768), {}),
-                 (_weight_grad(12288, 2304, 768), {}), ((fake_cuda(12288, 768, ptr=2), wt), {}),
+                 (_weight_grad(12288, 2304, 768), {}), (_weight_grad(12288, 3072, 768), {}),
+                 ((fake_cuda(12288, 768, ptr=2), wt), {}),
                  ((x, wt), {"kernel": "grouped"}), ((fake_cuda(300, 200), fake_cuda(200, 100)), {"split_k": 3})]
         for args, kw in cases:
             expected = plan(*args, **kw)
             out = FakeCuda((args[0].shape[0], args[1].shape[1]))
             calls.clear()
             matmul(*args, out=out, **kw)
-            assert calls == [(expected.kernel, expected.split_k)], (cc, expected)
+            # a transposed A on the ws kernel goes through launch_split (K in slices), never ws.launch
+            name = "ws_split" if expected.kernel == "ws" and ws.a_transposed(args[0]) else expected.kernel
+            assert calls == [(name, expected.split_k)], (cc, expected)
             matmul(*args, out=out, **kw)  # same signature: the remembered launch
-            assert calls[1:] == [(expected.kernel, "replay")], (cc, expected)
+            assert calls[1:] == [(name, "replay")], (cc, expected)
     assert {p.kernel for p, _ in launch.CACHE.values()} >= {"grouped", "tma"}
+    if ws.WS_IMPORT_ERROR is None:  # attn.c_proj's dW (5 slices) and c_fc's (1) went through launch_split
+        assert {p.split_k for p, _ in launch.CACHE.values() if p.kernel == "ws"} >= {1, 5}
 
 
 def test_every_capability_decision_goes_through_env_capability():

@@ -33,9 +33,11 @@ runs what `plan` says, so the two cannot disagree. `kernel="auto"` (the default)
 
 * Triton's CPU interpreter: the grouped kernel;
 * below sm_90 (A100 sm_80, L4 sm_89, T4 sm_75): the grouped kernel;
-* sm_90, A transposed (a weight gradient): the warp-specialised kernel with K in slices
-  (ws.split_eligible) where its tiles alone make less than a wave and K is long
-  (ws.split_preferred; the slices from ws.split_for);
+* sm_90, A transposed (a weight gradient), no split_k given: the warp-specialised kernel with K
+  in slices (ws.split_eligible) where a cost model fitted to an H100 predicts it faster than the
+  TMA kernel unsplit (ws.split_preferred: ws.split_cost below ws.tma_cost; the slices from
+  ws.split_for). For GPT-2's layers that is attn.c_proj's dW (5 slices) and the MLP's (1), not
+  c_attn's;
 * sm_90 otherwise: the warp-specialised kernel where it can run (ws.ws_eligible: the forward layout or a
   row-major B) and its tiles fill the GPU's waves about as well as the TMA kernel's (ws.ws_preferred);
   otherwise the TMA kernel wherever it can read the operands, except a product whose automatic
@@ -78,10 +80,11 @@ SPLIT_K_OVER_TMA = 4
 class Plan:
     """Which kernel `matmul` runs for a call, and why.
 
-    kernel: "grouped", "tma", "ws" or "streamk"; split_k: programs along K per output tile (1:
-    unsplit; the grouped kernel splits, and the ws kernel for a transposed A); interpreted:
-    Triton's CPU interpreter runs it; reason: one line for humans, e.g. "sm_90, forward layout a @ w.t(), no activation: 128x192 tiles fill
-    the waves better (ws_preferred)"."""
+    kernel: "grouped", "tma", "ws" or "streamk"; split_k: slices of K per output tile (1: unsplit;
+    the grouped kernel runs a program per slice, the ws kernel, for a transposed A, a work unit
+    per slice); interpreted: Triton's CPU interpreter runs it; reason: one line for humans, e.g.
+    "sm_90, forward layout a @ w.t(), no activation: 128x192 tiles fill the waves better
+    (ws_preferred)"."""
 
     kernel: str
     split_k: int
@@ -171,15 +174,17 @@ def _plan_2d(a, b, c, bias, z, activation, kernel, split_k) -> Plan:
         where = "sm_%d%d, %s" % (*env.capability(a.device), _LAYOUTS[(True, not ws.b_row_major(b))])
         if kernel == "ws" or ws.split_preferred(M, N, K, num_sms):
             s = split_k or ws.split_for(M, N, K, num_sms)
-            return Plan("ws", s, False, f"{where}: the warp-specialised kernel, each tile's K in {s} slice"
-                                        f"{'s' if s > 1 else ''} summed in fp32" + (", asked" if kernel == "ws" else
-                                                                                    " (split_preferred)"))
+            ws.check_split(s, K)
+            how = f"each tile's K in {s} slices, summed in fp32" if s > 1 else "K unsplit, written in fp32"
+            return Plan("ws", s, False, f"{where}: the warp-specialised kernel, {how}"
+                                        + (", asked" if kernel == "ws" else " (split_preferred)"))
     if split_k is not None and split_k > 1:
         if epilogue:
             raise ValueError("split_k > 1 adds fp32 partial sums after the kernel: it takes no bias, activation "
                              "or z; use split_k=1")
         if kernel in ("tma", "ws", "streamk"):
-            raise ValueError("split_k > 1 runs on the grouped kernel; use kernel='grouped' or 'auto'")
+            raise ValueError("split_k > 1 runs on the grouped kernel, or on the ws kernel for a transposed A (a weight "
+                             "gradient dY.t() @ X, 16-byte-aligned rows) on sm_90; use kernel='grouped' or 'auto'")
         where = "Triton's CPU interpreter" if interp else "sm_%d%d" % env.capability(a.device)
         return Plan("grouped", split_k, interp, f"{where}, split_k={split_k} asked: the grouped kernel sums K in "
                                                 f"{split_k} fp32 slices")
@@ -229,7 +234,8 @@ def _plan_2d(a, b, c, bias, z, activation, kernel, split_k) -> Plan:
             what += f", {_epilogue_words(bias, activation)} epilogue (the ws kernel has none)"
         elif kernel == "ws":
             raise ValueError("the warp-specialised kernel needs an sm_90 GPU (H100/H200), bf16 or fp16, B as w.t() "
-                             "or row-major, 16-byte-aligned rows, no activation; use kernel='auto'"
+                             "or row-major, 16-byte-aligned rows, no activation (and for a transposed A, as in a "
+                             "weight gradient, no bias either); use kernel='auto'"
                              f" (here: {where})")
     if kernel in ("auto", "tma") and tma_layout is not None:
         return Plan("tma", 1, False, f"{what}: the persistent TMA kernel" + (", asked" if kernel == "tma" else ""))

@@ -59,9 +59,10 @@ multiprocessors, 192 K-steps each), so each tile's K-steps are split into SPLIT_
 work unit of its own (EPILOGUE=3: its fp32 product goes from registers into plane s of a
 (SPLIT_K, M, N) buffer, and the host adds the planes with one rounding). `split_for` picks the
 slices from a cost model (`split_cost`), and `split_preferred` says where `auto` takes this path.
-Everything else goes to the TMA kernel (tma.py) or the grouped kernel (grouped.py); `matmul.plan` decides,
-using `ws_eligible` and `ws_preferred`. Gluon kernels run only compiled (there is no interpreter
-for them); where Gluon is missing, WS_IMPORT_ERROR says why and nothing here is used.
+Everything else goes to the TMA kernel (tma.py) or the grouped kernel (grouped.py); `matmul.plan`
+decides, using `ws_eligible` and `ws_preferred`, and for a transposed A `split_eligible` and
+`split_preferred`. Gluon kernels run only compiled (there is no interpreter for them); where Gluon
+is missing, WS_IMPORT_ERROR says why and nothing here is used.
 """
 from __future__ import annotations
 
@@ -249,7 +250,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                 y, y2 = acc + bias, acc2 + bias2
             if EPILOGUE == 3:
                 # The unit's fp32 partial sum, from registers into its slice's plane of
-                # part (SPLIT_K, M, N); the host adds the planes, in slice order, with one rounding.
+                # part (SPLIT_K, M, N); the host adds the planes, with one rounding.
                 plane = part_ptr + (unit // num_tiles).to(gl.int64) * M * N
                 _store_rows(plane, acc, off_m, 0, off_n, M, N, BLOCK_M, BLOCK_N, layout)
                 _store_rows(plane, acc2, off_m, 0, off_n + BLOCK_N, M, N, BLOCK_M, EXTRA_N, layout2)
@@ -606,7 +607,10 @@ def group_rows(N: int) -> int:
 #   with nearly all (they share L2, memory and the power budget);
 # * each work unit adds _UNIT_STEPS K-steps (filling the ring, the epilogue);
 # * the host's sum of the fp32 planes: _SUM_US, plus each plane read once and the output written once
-#   at _SUM_BYTES_PER_US (9.2 us for 3 planes of 768 x 768 to 52.8 us for 13 of 768 x 3072).
+#   at _SUM_BYTES_PER_US (timed alone, L2 cleared: 9.2 us for 2 slices of 768 x 768 to 52.8 us for
+#   12 of 768 x 3072).
+# Not modelled: with one slice and a bf16 or strided output, the kernel writes an fp32 plane that the
+# host then copies into the output (one more pass over M x N).
 _STEP_US = (0.45, 0.2)
 _UNIT_STEPS = 4
 _SUM_US = 7.0
@@ -632,7 +636,9 @@ def split_cost(M: int, N: int, K: int, split_k: int, num_sms: int) -> float:
 
 def tma_cost(M: int, N: int, K: int, num_sms: int) -> float:
     """The same model for the TMA kernel unsplit: waves of its 128 x 128 tiles, each K-step two
-    thirds of a 128 x 192 one (c_attn's dW: 78.6 us predicted, 77.2 measured)."""
+    thirds of a 128 x 192 one. c_attn's dW: 78.5 us predicted, 77.2 measured; attn.c_proj's 64.6
+    against 72.4; the MLP's 166 against 127-128, whose second wave holds only 12 tiles (the
+    choice between the kernels comes out the same with the measured times)."""
     tiles = -(-M // 128) * -(-N // 128)
     return -(-tiles // num_sms) * -(-K // BLOCK_K) * 2 / 3 * _step_us(tiles, num_sms)
 
@@ -652,7 +658,7 @@ def split_preferred(M: int, N: int, K: int, num_sms: int) -> bool:
     an H100 as replayed graphs, the weight gradients of GPT-2's layers (12288 tokens), µs:
 
         layer        TMA kernel   launch_split           cuBLAS (bf16 output)
-        c_attn       77.2         95.6 (1 slice)         66.2
+        c_attn       77.2         91.3 (3 slices)        66.2
         attn.c_proj  72.4         41.0 (5 slices)        39.2
         c_fc         127.7        101.5 (1 slice)        84.4
         mlp.c_proj   126.8        101.0 (1 slice)        84.3
@@ -675,6 +681,14 @@ def ws_preferred(M: int, N: int, num_sms: int) -> bool:
     ws = _wave_efficiency(-(-M // BLOCK_M) * -(-N // (BLOCK_N + EXTRA_N)), num_sms)
     tma = _wave_efficiency(-(-M // 128) * -(-N // 256), num_sms)
     return ws >= tma - 0.02
+
+
+def check_split(split_k: int, K: int) -> None:
+    """A ValueError unless every one of split_k slices gets at least one of K's K-steps (an empty
+    slice would store an accumulator it never computed)."""
+    if not 1 <= split_k <= -(-K // BLOCK_K):
+        raise ValueError(f"split_k must be between 1 and the {-(-K // BLOCK_K)} K-steps of {BLOCK_K} in K = {K}, "
+                         f"got {split_k}; leave it None to choose")
 
 
 _LAYOUTS: dict = {}
@@ -749,6 +763,7 @@ def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, par
     descs = tuple(TensorDescriptor.from_tensor(t, box, layout) for t, (box, layout) in
                   zip(ws_tensors(a, b, c, z if epilogue else None, row_major_b, a_t),
                       _layouts7(a.dtype, row_major_b, a_t)))
+    check_split(split_k, K)
     units = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N + EXTRA_N) * split_k
     grid = (min(num_programs or balanced_programs(units, num_sms), units),)
     args = (*descs, bias if bias is not None else c, c, part if part is not None else c, M, N, K)
@@ -792,9 +807,7 @@ def launch_split(a, b, c, split_k):
     writes c directly. Returns a replay function `(a, b, c, bias, z)`, as `launch` does, or None."""
     M, K = a.shape
     N = b.shape[1]
-    if not 1 <= split_k <= triton.cdiv(K, BLOCK_K):
-        raise ValueError(f"split_k must be between 1 and the {triton.cdiv(K, BLOCK_K)} K-steps of {BLOCK_K}, "
-                         f"got {split_k}")
+    check_split(split_k, K)
     direct = split_k == 1 and c.dtype == torch.float32 and c.is_contiguous()
 
     def planes(c):
