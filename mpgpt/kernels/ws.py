@@ -604,7 +604,8 @@ def group_rows(N: int) -> int:
 # an H100 (the weight gradients of GPT-2's layers, 12288 tokens, 1 to 12 slices):
 # * a K-step of one 128 x 192 x 64 tile on one multiprocessor takes _STEP_US[0] + _STEP_US[1] * the
 #   share of the multiprocessors at work: 0.47-0.53 us with a fifth to a half of them busy, 0.57-0.66
-#   with nearly all (they share L2, memory and the power budget);
+#   with nearly all (they share L2, memory and the power budget; a sliced run's time less its sum of
+#   the planes timed alone, divided by the busiest program's K-steps);
 # * each work unit adds _UNIT_STEPS K-steps (filling the ring, the epilogue);
 # * the host's sum of the fp32 planes: _SUM_US, plus each plane read once and the output written once
 #   at _SUM_BYTES_PER_US (timed alone, L2 cleared: 9.2 us for 2 slices of 768 x 768 to 52.8 us for
