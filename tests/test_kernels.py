@@ -773,7 +773,7 @@ def test_balanced_programs_keep_the_waves_and_even_out_the_tiles():
         ws.balanced_programs(0, 132)
 
 
-def test_split_for_fills_one_wave_or_more_at_the_fewest_planes():
+def test_split_for_and_split_preferred_follow_the_fitted_cost_model():
     """launch_split's slices of K (split_for, from split_cost): attn.c_proj's dW (24 tiles of
     128 x 192, 192 K-steps) takes 5 slices, 120 units in one wave of 132; the MLP's (96 tiles)
     none, since summing 5 planes of 768 x 3072 costs more than the 36 idle multiprocessors (as
