@@ -555,19 +555,21 @@ def split_operands_fit(a, b, c, bias, activation, z) -> bool:
     return min(M, N, K) >= 16 and a_transposed(a) is True and b_row_major(b) is not None
 
 
+def runs_here(t: torch.Tensor) -> bool:
+    """The device half of every *_eligible check: Gluon importable, compiled mode (not Triton's
+    interpreter), and t on a CUDA device with env.capability == (9, 0)."""
+    return WS_IMPORT_ERROR is None and not env.interpreting() and t.is_cuda and env.capability(t.device) == (9, 0)
+
+
 def split_eligible(a, b, c, bias, activation, z) -> bool:
-    """True if launch_split can compute c = a @ b here (the device half as in ws_eligible)."""
-    if WS_IMPORT_ERROR is not None or env.interpreting() or not a.is_cuda or env.capability(a.device) != (9, 0):
-        return False
-    return split_operands_fit(a, b, c, bias, activation, z)
+    """True if launch_split can compute c = a @ b here (runs_here, and split_operands_fit)."""
+    return runs_here(a) and split_operands_fit(a, b, c, bias, activation, z)
 
 
 def ws_eligible(a, b, c, bias, activation, z) -> bool:
     """True if this kernel can compute c = a @ b (+ bias) here: see the module docstring's scope.
-    The device half: Gluon importable, compiled mode, a CUDA device with env.capability == (9, 0)."""
-    if WS_IMPORT_ERROR is not None or env.interpreting() or not a.is_cuda or env.capability(a.device) != (9, 0):
-        return False
-    return ws_operands_fit(a, b, c, bias, activation, z)
+    The device half is runs_here; the operands' half ws_operands_fit."""
+    return runs_here(a) and ws_operands_fit(a, b, c, bias, activation, z)
 
 
 def _wave_efficiency(tiles: int, slots: int) -> float:
@@ -843,7 +845,7 @@ def gelu_eligible(a: torch.Tensor, w: torch.Tensor) -> bool:
     bf16/fp16 operands of one dtype, a (M, K) and w (N, K) addressable by TMA, rows of the
     (M, N) outputs a multiple of 16 bytes, no dimension below 16, and M * N below 2^31 (the
     sizes tested)."""
-    if WS_IMPORT_ERROR is not None or env.interpreting() or not a.is_cuda or env.capability(a.device) != (9, 0):
+    if not runs_here(a):
         return False
     if a.dtype not in (torch.bfloat16, torch.float16) or w.dtype != a.dtype or a.dim() != 2 or w.dim() != 2:
         return False
@@ -890,7 +892,7 @@ def gelu_backward_eligible(g: torch.Tensor, w: torch.Tensor, z: torch.Tensor) ->
     """Whether gelu_backward_fused(g, w, z) can run here: this kernel on this GPU (sm_90,
     compiled), bf16/fp16 g (M, K), w (K, N) and z (M, N) of one dtype, each addressable by TMA,
     rows of the (M, N) output a multiple of 16 bytes, no dimension below 16."""
-    if WS_IMPORT_ERROR is not None or env.interpreting() or not g.is_cuda or env.capability(g.device) != (9, 0):
+    if not runs_here(g):
         return False
     if g.dtype not in (torch.bfloat16, torch.float16) or w.dtype != g.dtype or z.dtype != g.dtype:
         return False
