@@ -1232,16 +1232,20 @@ def _ws_available():
 
 
 @pytest.mark.sm80
+@pytest.mark.parametrize("roles", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_ws_kernel_against_float64(dtype):
+def test_gpu_ws_kernel_against_float64(dtype, roles, monkeypatch):
     """The warp-specialised kernel at shapes with edges in M, N and K (N not a multiple of its
     192-wide tile; N = 200 leaves the 64-wide part of the last tile wholly outside), with and
     without bias, on every SM or on only 7 programs (each then runs many tiles back to back, so
-    the ring of stages wraps around many times), with B as w.t() (the forward layout) and
-    row-major (dX = dY @ W). The output is a NaN-filled view inside a wider buffer: every element
+    the ring of stages wraps around many times; with two MMA partitions taking turns, 5 or 6 tiles
+    a program at the first shape, so each partition runs several and the last tile falls to
+    either), with B as w.t() (the forward layout) and row-major (dX = dY @ W), with one MMA
+    partition and with two. The output is a NaN-filled view inside a wider buffer: every element
     must be written, and nothing outside it."""
     if not _ws_available():
         pytest.skip("the warp-specialised kernel needs sm_90")
+    monkeypatch.setattr(ws, "PINGPONG_ROLES", roles)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for M, K, N in [(1000, 1000, 776), (77, 3072, 200), (300, 64, 192), (12288, 768, 768)]:
         for use_bias, programs, row_major in [(False, None, False), (True, None, False), (True, 7, False),
@@ -1254,7 +1258,7 @@ def test_gpu_ws_kernel_against_float64(dtype):
             assert ws.ws_eligible(a, b, c, bias, None, None) and ws.b_row_major(b) is row_major
             ws.ws_launch(a, b, c, bias, num_sms, num_programs=programs)
             torch.cuda.synchronize()
-            case = (M, K, N, use_bias, programs, row_major, dtype)
+            case = (M, K, N, use_bias, programs, row_major, dtype, roles)
             assert rel_err(c, reference(a, b, bias)) < TOL[dtype], case
             assert torch.isnan(wide[:, N:]).all(), case
 

@@ -189,12 +189,23 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         return hz + hz * t
 
     @gluon.jit
-    def _mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem, c2_smem,
-                       bias_ptr, part_ptr, M, N, K,
+    def _mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_free, turn, c_desc, c2_desc,
+                       c_smem, c2_smem, bias_ptr, part_ptr, M, N, K,
                        HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr, A_T: gl.constexpr, B_ROW_MAJOR: gl.constexpr,
-                       GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-        """The default partition: the MMAs and the epilogue of every tile (or, split along K,
-        every work unit) of this program."""
+                       GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr, ROLE: gl.constexpr,
+                       ROLES: gl.constexpr, num_warps: gl.constexpr):
+        """The MMAs and the epilogue of every tile (or, split along K, every work unit) of this
+        program; with ROLES = 2 (EPILOGUE 0, unsplit), of every other tile: two such partitions,
+        one warpgroup each, take the program's tiles in turn (ROLE 0 the first, third, ...), so
+        that one's epilogue runs while the other's MMAs keep the tensor cores busy.
+
+        Taking turns needs two more barriers. `turn` completes once per tile, when that tile's
+        MMAs have all been issued: a partition waits for it before its next tile's first step.
+        Without it, the second partition would wait on the ready barrier of a step a whole ring
+        ahead, and a phase parity cannot tell that step from the one loaded a ring earlier.
+        `c_free` completes once per tile, when that tile's TMA stores have read the shared
+        staging buffers (c_smem, c2_smem), which the two partitions share (two sets and four load
+        stages do not fit in shared memory)."""
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
         EXTRA_N: gl.constexpr = c2_desc.block_type.shape[1]
@@ -211,12 +222,18 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout)     # (BLOCK_M, BLOCK_N)
         acc2 = gl.zeros((BLOCK_M, EXTRA_N), gl.float32, layout2)   # (BLOCK_M, EXTRA_N): the next columns
         num_tiles = num_pid_m * num_pid_n
+        pid = gl.program_id(0)
+        step = gl.num_programs(0)
         c = 0  # steps consumed so far
         t = 0  # tiles handed to the epilogue partition so far (EPILOGUE 1 and 2)
-        for unit in range(gl.program_id(0), num_tiles * SPLIT_K, gl.num_programs(0)):
+        for unit in range(pid + ROLE * step, num_tiles * SPLIT_K, ROLES * step):
             tile_id, k_lo, k_hi = unit_work(unit, num_tiles, k_tiles, SPLIT_K)
+            if ROLES > 1:
+                i = (unit - pid) // step  # this is the program's i-th tile
+                c = i * k_tiles           # the steps of its tiles before this one (all of K each)
+                mbarrier.wait(turn, (i & 1) ^ 1)  # tile i - 1's MMAs are issued (tile 0 waits on nothing)
             off_m, off_n = tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N + EXTRA_N)
-            if HAS_BIAS:  # loaded now, so that its latency hides behind the MMAs
+            if HAS_BIAS and ROLES == 1:  # loaded now, so that its latency hides behind the MMAs
                 bias = _load_bias(bias_ptr, off_n, N, BLOCK_N, layout)
                 bias2 = _load_bias(bias_ptr, off_n + BLOCK_N, N, EXTRA_N, layout2)
             for k in range(k_lo, k_hi):
@@ -243,9 +260,15 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                 acc, acc2 = warpgroup_mma_wait(2, deps=(acc, acc2))
                 mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=k > k_lo)
                 c += 1
+            if ROLES > 1:
+                mbarrier.arrive(turn)  # the other partition may start the next tile
             acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
             y, y2 = acc, acc2  # new names: a bias sum must not write the accumulators' registers
+            if HAS_BIAS and ROLES > 1:  # loaded only now: a whole tile's accumulator leaves no registers for
+                # it during the MMAs, and here its latency hides behind the other partition's MMAs
+                bias = _load_bias(bias_ptr, off_n, N, BLOCK_N, layout)
+                bias2 = _load_bias(bias_ptr, off_n + BLOCK_N, N, EXTRA_N, layout2)
             if HAS_BIAS:
                 y, y2 = acc + bias, acc2 + bias2
             if EPILOGUE == 3:
@@ -265,6 +288,17 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                 _sync_partition()     # every warp has stored its rows before one thread arrives
                 mbarrier.arrive(z_ready)
                 t += 1
+            elif ROLES > 1:
+                mbarrier.wait(c_free, (i & 1) ^ 1)  # tile i - 1's stores have read the staging buffers
+                c_smem.store(y.to(c_desc.dtype))  # one rounding
+                c2_smem.store(y2.to(c2_desc.dtype))
+                fence_async_shared()  # the stores above, visible to the TMA unit
+                _sync_partition()     # every warp has stored its rows before one thread issues the copies
+                tma_store(c_desc, [off_m, off_n], c_smem)
+                tma_store(c2_desc, [off_m, off_n + BLOCK_N], c2_smem)
+                tma.store_wait(pendings=0)  # (the issuing thread) the buffers have been read ...
+                _sync_partition()
+                mbarrier.arrive(c_free)     # ... so the other partition may fill them
             else:
                 # The previous tile's TMA stores must have read c_smem / c2_smem before we overwrite them.
                 tma.store_wait(pendings=0)
@@ -436,7 +470,8 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         GROUP_M: gl.constexpr,
         SPLIT_K: gl.constexpr,              # work units per tile, each a slice of K (only with EPILOGUE 3)
         STAGES: gl.constexpr,               # shared-memory stages in the load ring
-        num_warps: gl.constexpr,            # of the MMA partition (the producer adds one warp)
+        ROLES: gl.constexpr,                # MMA partitions taking the tiles in turn: 1, or 2 (EPILOGUE 0, SPLIT_K 1)
+        num_warps: gl.constexpr,            # of each MMA partition (the producer adds one warp)
     ):
         # The descriptors are built on the host (ws_launch) and passed as kernel parameters, so
         # every thread of every partition sees them without a device-side fence. Their boxes
@@ -452,11 +487,15 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         z_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # Z handed over
         z_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # ... and handed back
+        c_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())   # ROLES 2: C's buffers free
+        turn = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())     # ROLES 2: a tile's MMAs issued
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         mbarrier.init(z_ready, count=1)
         mbarrier.init(z_empty, count=1)
+        mbarrier.init(c_free, count=1)
+        mbarrier.init(turn, count=1)
         fence_async_shared()  # the initialised barriers, visible to the TMA unit
         # The producer: 1 warp, 40 registers a thread; for EPILOGUE == 1 the GELU partition: 4 warps,
         # 96 registers a thread; for EPILOGUE == 2 GELU's backward: 8 warps of 64 registers (the MMA
@@ -471,9 +510,9 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             mbarrier.init(z_loaded, count=1)
             fence_async_shared()
             gl.warp_specialize([
-                (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem,
-                                  c2_smem, bias_ptr, part_ptr, M, N, K, False, EPILOGUE, A_T, B_ROW_MAJOR, GROUP_M,
-                                  SPLIT_K, STAGES, num_warps)),
+                (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_free, turn, c_desc,
+                                  c2_desc, c_smem, c2_smem, bias_ptr, part_ptr, M, N, K, False, EPILOGUE, A_T,
+                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 1, num_warps)),
                 (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, A_T, B_ROW_MAJOR,
                              GROUP_M, SPLIT_K, STAGES)),
                 (_gelu_grad_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_smem, z2_smem, z_ready,
@@ -481,19 +520,31 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             ], [1, 8], [40, 64])
         elif EPILOGUE == 1:
             gl.warp_specialize([
-                (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem,
-                                  c2_smem, bias_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T, B_ROW_MAJOR,
-                                  GROUP_M, SPLIT_K, STAGES, num_warps)),
+                (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_free, turn, c_desc,
+                                  c2_desc, c_smem, c2_smem, bias_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T,
+                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 1, num_warps)),
                 (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, A_T, B_ROW_MAJOR,
                              GROUP_M, SPLIT_K, STAGES)),
                 (_gelu_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, M, N,
                                    GROUP_M)),
             ], [1, 4], [40, 96])
+        elif ROLES == 2:
+            # Two MMA partitions of num_warps (4) warps, taking the tiles in turn, and the producer.
+            gl.warp_specialize([
+                (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_free, turn, c_desc,
+                                  c2_desc, c_smem, c2_smem, bias_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T,
+                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 2, num_warps)),
+                (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_free, turn, c_desc,
+                                  c2_desc, c_smem, c2_smem, bias_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T,
+                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 1, 2, num_warps)),
+                (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, A_T, B_ROW_MAJOR,
+                             GROUP_M, SPLIT_K, STAGES)),
+            ], [num_warps, 1], [232, 40])  # 232 registers: a 128 x 192 fp32 accumulator is 192 a thread
         else:
             gl.warp_specialize([
-                (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_desc, c2_desc, c_smem,
-                                  c2_smem, bias_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T, B_ROW_MAJOR,
-                                  GROUP_M, SPLIT_K, STAGES, num_warps)),
+                (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_free, turn, c_desc,
+                                  c2_desc, c_smem, c2_smem, bias_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T,
+                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 1, num_warps)),
                 (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, A_T, B_ROW_MAJOR,
                              GROUP_M, SPLIT_K, STAGES)),
             ], [1], [40])
@@ -750,6 +801,16 @@ N_TENSORS = 10  # the arguments that change from call to call: seven descriptors
 STAGES_GELU_BACKWARD = 3
 
 
+# How many MMA partitions take a plain product's tiles in turn (1 or 2; see _mma_partition).
+PINGPONG_ROLES = 2
+
+
+def mma_roles(epilogue: int, split_k: int) -> int:
+    """ROLES for a launch: PINGPONG_ROLES for a plain product (EPILOGUE 0) of whole tiles, else 1
+    (the GELU epilogues have a partition of their own for that; split units write fp32 planes)."""
+    return PINGPONG_ROLES if epilogue == 0 and split_k == 1 else 1
+
+
 def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, part=None, split_k=1):
     """Launch c = a @ b (+ bias) on the warp-specialised kernel (the caller checked ws_eligible),
     or with epilogue 1 (z = a @ b + bias, c = gelu(z)), or 2 (c = (a @ b) * gelu'(z), and with
@@ -771,8 +832,10 @@ def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, par
     grid = (min(num_programs or balanced_programs(units, num_sms), units),)
     args = (*descs, bias if bias is not None else c, c, part if part is not None else c, M, N, K)
     has_bias = part is not None if epilogue == 2 else bias is not None
+    roles = mma_roles(epilogue, split_k)
     kwargs = dict(HAS_BIAS=has_bias, EPILOGUE=epilogue, A_T=a_t, B_ROW_MAJOR=row_major_b, GROUP_M=group_rows(N),
-                  SPLIT_K=split_k, STAGES=STAGES_GELU_BACKWARD if epilogue == 2 else STAGES, num_warps=NUM_WARPS)
+                  SPLIT_K=split_k, STAGES=STAGES_GELU_BACKWARD if epilogue == 2 else STAGES, ROLES=roles,
+                  num_warps=NUM_WARPS // roles)
     compiled = matmul_ws_kernel[grid](*args, **kwargs)
     return matmul_ws_kernel, compiled, grid, args, kwargs
 
