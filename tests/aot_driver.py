@@ -258,7 +258,7 @@ def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False) -> 
                  zip(ws.ws_tensors(g.t(), x, g, None, True, True), ws._layouts7(torch.bfloat16, True, True))]
         compiled = ws.matmul_ws_kernel.warmup(*descs, g, g, torch.empty(split, m, m), m, m, k, HAS_BIAS=False,
                                               EPILOGUE=3, A_T=True, B_ROW_MAJOR=True, GROUP_M=ws.group_rows(m),
-                                              SPLIT_K=split, STAGES=ws.STAGES, ROLES=1, BIAS_AT=0, num_warps=ws.NUM_WARPS,
+                                              SPLIT_K=split, STAGES=ws.STAGES, ROLES=1, num_warps=ws.NUM_WARPS,
                                               grid=(120,))
     else:
         a = torch.empty(n, n, dtype=torch.bfloat16)
@@ -270,8 +270,7 @@ def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False) -> 
                                               EPILOGUE=epilogue, A_T=False, B_ROW_MAJOR=row_major_b,
                                               GROUP_M=ws.GROUP_M, SPLIT_K=1,
                                               STAGES=ws.STAGES_GELU_BACKWARD if epilogue == 2 else ws.STAGES,
-                                              ROLES=roles, BIAS_AT=0, num_warps=ws.NUM_WARPS // roles,
-                                              grid=(132,))
+                                              ROLES=roles, num_warps=ws.NUM_WARPS // roles, grid=(132,))
     ptx = compiled.asm["ptx"]
     return {"shared": compiled.metadata.shared, **instructions(ptx), "tanh": ptx.count("tanh.approx.f32"),
             "ex2": ptx.count("ex2.approx"),

@@ -193,7 +193,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                        c_smem, c2_smem, bias_ptr, part_ptr, M, N, K,
                        HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr, A_T: gl.constexpr, B_ROW_MAJOR: gl.constexpr,
                        GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr, ROLE: gl.constexpr,
-                       ROLES: gl.constexpr, BIAS_AT: gl.constexpr, num_warps: gl.constexpr):
+                       ROLES: gl.constexpr, num_warps: gl.constexpr):
         """The MMAs and the epilogue of every tile (or, split along K, every work unit) of this
         program; with ROLES = 2 (EPILOGUE 0, unsplit), of every other tile: two such partitions,
         one warpgroup each, take the program's tiles in turn (ROLE 0 the first, third, ...), so
@@ -233,7 +233,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                 c = i * k_tiles           # the steps of its tiles before this one (all of K each)
                 mbarrier.wait(turn, (i & 1) ^ 1)  # tile i - 1's MMAs are issued (tile 0 waits on nothing)
             off_m, off_n = tile_offsets(tile_id, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N + EXTRA_N)
-            if HAS_BIAS and BIAS_AT == 0:  # loaded now, so that its latency hides behind the MMAs
+            if HAS_BIAS and ROLES == 1:  # loaded now, so that its latency hides behind the MMAs
                 bias = _load_bias(bias_ptr, off_n, N, BLOCK_N, layout)
                 bias2 = _load_bias(bias_ptr, off_n + BLOCK_N, N, EXTRA_N, layout2)
             for k in range(k_lo, k_hi):
@@ -262,13 +262,10 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                 c += 1
             if ROLES > 1:
                 mbarrier.arrive(turn)  # the other partition may start the next tile
-            if HAS_BIAS and BIAS_AT == 1:  # loaded while the last MMAs run
-                bias = _load_bias(bias_ptr, off_n, N, BLOCK_N, layout)
-                bias2 = _load_bias(bias_ptr, off_n + BLOCK_N, N, EXTRA_N, layout2)
             acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
             y, y2 = acc, acc2  # new names: a bias sum must not write the accumulators' registers
-            if HAS_BIAS and BIAS_AT == 2:  # loaded only now: a whole tile's accumulator leaves no registers for
+            if HAS_BIAS and ROLES > 1:  # loaded only now: a whole tile's accumulator leaves no registers for
                 # it during the MMAs, and here its latency hides behind the other partition's MMAs
                 bias = _load_bias(bias_ptr, off_n, N, BLOCK_N, layout)
                 bias2 = _load_bias(bias_ptr, off_n + BLOCK_N, N, EXTRA_N, layout2)
@@ -474,7 +471,6 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         SPLIT_K: gl.constexpr,              # work units per tile, each a slice of K (only with EPILOGUE 3)
         STAGES: gl.constexpr,               # shared-memory stages in the load ring
         ROLES: gl.constexpr,                # MMA partitions taking the tiles in turn: 1, or 2 (EPILOGUE 0, SPLIT_K 1)
-        BIAS_AT: gl.constexpr,              # load the bias at a tile's start (0), after its MMAs are issued (1), after they end (2)
         num_warps: gl.constexpr,            # of each MMA partition (the producer adds one warp)
     ):
         # The descriptors are built on the host (ws_launch) and passed as kernel parameters, so
@@ -516,7 +512,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_free, turn, c_desc,
                                   c2_desc, c_smem, c2_smem, bias_ptr, part_ptr, M, N, K, False, EPILOGUE, A_T,
-                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 1, BIAS_AT, num_warps)),
+                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 1, num_warps)),
                 (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, A_T, B_ROW_MAJOR,
                              GROUP_M, SPLIT_K, STAGES)),
                 (_gelu_grad_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_smem, z2_smem, z_ready,
@@ -526,7 +522,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_free, turn, c_desc,
                                   c2_desc, c_smem, c2_smem, bias_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T,
-                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 1, BIAS_AT, num_warps)),
+                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 1, num_warps)),
                 (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, A_T, B_ROW_MAJOR,
                              GROUP_M, SPLIT_K, STAGES)),
                 (_gelu_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, M, N,
@@ -537,10 +533,10 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_free, turn, c_desc,
                                   c2_desc, c_smem, c2_smem, bias_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T,
-                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 2, BIAS_AT, num_warps)),
+                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 2, num_warps)),
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_free, turn, c_desc,
                                   c2_desc, c_smem, c2_smem, bias_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T,
-                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 1, 2, BIAS_AT, num_warps)),
+                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 1, 2, num_warps)),
                 (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, A_T, B_ROW_MAJOR,
                              GROUP_M, SPLIT_K, STAGES)),
             ], [num_warps, 1], [232, 40])  # 232 registers: a 128 x 192 fp32 accumulator is 192 a thread
@@ -548,7 +544,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_free, turn, c_desc,
                                   c2_desc, c_smem, c2_smem, bias_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T,
-                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 1, BIAS_AT, num_warps)),
+                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 1, num_warps)),
                 (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, A_T, B_ROW_MAJOR,
                              GROUP_M, SPLIT_K, STAGES)),
             ], [1], [40])
@@ -807,7 +803,6 @@ STAGES_GELU_BACKWARD = 3
 
 # How many MMA partitions take a plain product's tiles in turn (1 or 2; see _mma_partition).
 PINGPONG_ROLES = 2
-BIAS_AT = 0
 
 
 def mma_roles(epilogue: int, split_k: int) -> int:
@@ -839,7 +834,7 @@ def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, par
     has_bias = part is not None if epilogue == 2 else bias is not None
     roles = mma_roles(epilogue, split_k)
     kwargs = dict(HAS_BIAS=has_bias, EPILOGUE=epilogue, A_T=a_t, B_ROW_MAJOR=row_major_b, GROUP_M=group_rows(N),
-                  SPLIT_K=split_k, STAGES=STAGES_GELU_BACKWARD if epilogue == 2 else STAGES, ROLES=roles, BIAS_AT=BIAS_AT if roles == 1 else max(BIAS_AT, 1),
+                  SPLIT_K=split_k, STAGES=STAGES_GELU_BACKWARD if epilogue == 2 else STAGES, ROLES=roles,
                   num_warps=NUM_WARPS // roles)
     compiled = matmul_ws_kernel[grid](*args, **kwargs)
     return matmul_ws_kernel, compiled, grid, args, kwargs
