@@ -263,7 +263,7 @@ def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False) -> 
     else:
         a = torch.empty(n, n, dtype=torch.bfloat16)
         b = a if row_major_b else a.t()  # row-major (K, N), or w.t() for a row-major weight w, as nn.Linear has
-        roles = ws.mma_roles(epilogue, 1)
+        roles = ws.mma_roles(epilogue, 1, True)
         descs = [TensorDescriptor.from_tensor(t, box, layout)
                  for t, (box, layout) in zip(ws.ws_tensors(a, b, a), ws._layouts7(torch.bfloat16, row_major_b))]
         compiled = ws.matmul_ws_kernel.warmup(*descs, a[0], a, torch.empty(n, 32), n, n, n, HAS_BIAS=True,

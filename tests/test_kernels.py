@@ -826,6 +826,19 @@ def test_group_rows_narrow_outputs_sweep_four_tile_rows():
     assert ws.group_rows(769) == ws.group_rows(3072) == ws.group_rows(50304) == ws.GROUP_M == 8
 
 
+def test_two_mma_partitions_only_for_plain_products_with_a_bias(monkeypatch):
+    """The ping-pong schedule (two MMA partitions taking tiles in turn) where it measured faster:
+    a plain product of whole tiles with a bias. Without a bias, with a GELU epilogue (which has an
+    epilogue partition of its own) or with K in slices, one partition; PINGPONG_ROLES = 1 turns
+    it off."""
+    assert ws.mma_roles(0, 1, True) == 2
+    assert ws.mma_roles(0, 1, False) == 1
+    assert ws.mma_roles(1, 1, True) == ws.mma_roles(2, 1, True) == 1
+    assert ws.mma_roles(3, 1, False) == ws.mma_roles(3, 5, False) == 1
+    monkeypatch.setattr(ws, "PINGPONG_ROLES", 1)
+    assert ws.mma_roles(0, 1, True) == 1
+
+
 # ------------------------------------------------------------------------------------------------
 # plan(): which kernel matmul runs, and why (CPU: the GPU generation faked through env)
 # ------------------------------------------------------------------------------------------------
@@ -1241,7 +1254,7 @@ def test_gpu_ws_kernel_against_float64(dtype, roles, monkeypatch):
     the ring of stages wraps around many times; with two MMA partitions taking turns, 5 or 6 tiles
     a program at the first shape, so each partition runs several and the last tile falls to
     either), with B as w.t() (the forward layout) and row-major (dX = dY @ W), with one MMA
-    partition and with two. The output is a NaN-filled view inside a wider buffer: every element
+    partition and (where there is a bias, see ws.mma_roles) with two. The output is a NaN-filled view inside a wider buffer: every element
     must be written, and nothing outside it."""
     if not _ws_available():
         pytest.skip("the warp-specialised kernel needs sm_90")
