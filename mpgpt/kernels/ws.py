@@ -815,7 +815,7 @@ def mma_roles(epilogue: int, split_k: int, has_bias: bool) -> int:
     """ROLES for a launch: two MMA partitions taking the tiles in turn (PINGPONG_ROLES) for a plain
     product (EPILOGUE 0) of whole tiles with a bias, else one. Measured on an H100 as replayed
     graphs, 12288 tokens, µs (one partition / two; with a bias three timings in one run, without
-    two in another):
+    two or three in others):
 
         with a bias   c_attn 74.5-75.0 / 69.5-70.2   attn.c_proj 30.9-31.0 / 31.2
                       c_fc   97.7-98.0 / 94.5        mlp.c_proj  87.4-87.6 / 86.7-86.9
