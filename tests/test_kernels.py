@@ -1253,14 +1253,15 @@ def test_gpu_ws_kernel_against_float64(dtype, roles, monkeypatch):
     without bias, on every SM or on only 7 programs (each then runs many tiles back to back, so
     the ring of stages wraps around many times; with two MMA partitions taking turns, 5 or 6 tiles
     a program at the first shape, so each partition runs several and the last tile falls to
-    either), with B as w.t() (the forward layout) and row-major (dX = dY @ W), with one MMA
+    either; K = 64 with 7 programs gives 11-12 tiles of a single K-step each, where the turns'
+    barrier is hardest to get right), with B as w.t() (the forward layout) and row-major (dX = dY @ W), with one MMA
     partition and (where there is a bias, see ws.mma_roles) with two. The output is a NaN-filled view inside a wider buffer: every element
     must be written, and nothing outside it."""
     if not _ws_available():
         pytest.skip("the warp-specialised kernel needs sm_90")
     monkeypatch.setattr(ws, "PINGPONG_ROLES", roles)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for M, K, N in [(1000, 1000, 776), (77, 3072, 200), (300, 64, 192), (12288, 768, 768)]:
+    for M, K, N in [(1000, 1000, 776), (77, 3072, 200), (300, 64, 192), (2000, 64, 776), (12288, 768, 768)]:
         for use_bias, programs, row_major in [(False, None, False), (True, None, False), (True, 7, False),
                                               (False, 7, False), (False, None, True), (True, 7, True)]:
             a = rand(M, K, dtype=dtype)  # fresh inputs every time

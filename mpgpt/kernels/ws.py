@@ -227,6 +227,8 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout)     # (BLOCK_M, BLOCK_N)
         acc2 = gl.zeros((BLOCK_M, EXTRA_N), gl.float32, layout2)   # (BLOCK_M, EXTRA_N): the next columns
         num_tiles = num_pid_m * num_pid_n
+        # Taking turns assumes whole tiles (each tile's first step is i * k_tiles) and the plain epilogue.
+        gl.static_assert(ROLES == 1 or (EPILOGUE == 0 and SPLIT_K == 1))
         pid = gl.program_id(0)
         step = gl.num_programs(0)
         c = 0  # steps consumed so far
@@ -266,6 +268,11 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                 mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=k > k_lo)
                 c += 1
             if ROLES > 1:
+                # Every warp of this partition has passed its waits of this tile (one thread
+                # arrives): with a single K-step, a lagging warp could otherwise still be waiting
+                # on `turn` for this tile when the arrive completes the next phase, of the same
+                # parity, and wait for ever.
+                _sync_partition()
                 mbarrier.arrive(turn)  # the other partition may start the next tile
             acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
@@ -301,8 +308,8 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                 _sync_partition()     # every warp has stored its rows before one thread issues the copies
                 tma_store(c_desc, [off_m, off_n], c_smem)
                 tma_store(c2_desc, [off_m, off_n + BLOCK_N], c2_smem)
-                tma.store_wait(pendings=0)  # (the issuing thread) the buffers have been read ...
-                _sync_partition()
+                tma.store_wait(pendings=0)  # (each thread that issued a copy) the buffers have been read ...
+                _sync_partition()           # ... and every warp knows it
                 mbarrier.arrive(c_free)     # ... so the other partition may fill them
             else:
                 # The previous tile's TMA stores must have read c_smem / c2_smem before we overwrite them.
