@@ -1251,12 +1251,12 @@ def test_gpu_ws_kernel_against_float64(dtype, roles, monkeypatch):
     """The warp-specialised kernel at shapes with edges in M, N and K (N not a multiple of its
     192-wide tile; N = 200 leaves the 64-wide part of the last tile wholly outside), with and
     without bias, on every SM or on only 7 programs (each then runs many tiles back to back, so
-    the ring of stages wraps around many times; with two MMA partitions taking turns, 5 or 6 tiles
-    a program at the first shape, so each partition runs several and the last tile falls to
-    either; K = 64 with 7 programs gives 11-12 tiles of a single K-step each, where the turns'
-    barrier is hardest to get right), with B as w.t() (the forward layout) and row-major (dX = dY @ W), with one MMA
-    partition and (where there is a bias, see ws.mma_roles) with two. The output is a NaN-filled view inside a wider buffer: every element
-    must be written, and nothing outside it."""
+    the ring of stages wraps around many times), with B as w.t() (the forward layout) and
+    row-major (dX = dY @ W), with one MMA partition and, where there is a bias (ws.mma_roles),
+    with two taking the tiles in turn. With 7 programs each partition runs several tiles: 5 or 6
+    a program at the first shape, and at K = 64 11 or 12 tiles of a single K-step each, where the
+    turns' barrier is hardest to get right. The output is a NaN-filled view inside a wider
+    buffer: every element must be written, and nothing outside it."""
     if not _ws_available():
         pytest.skip("the warp-specialised kernel needs sm_90")
     monkeypatch.setattr(ws, "PINGPONG_ROLES", roles)
