@@ -581,12 +581,8 @@ def b_row_major(b: torch.Tensor) -> bool | None:
 def a_transposed(a: torch.Tensor) -> bool | None:
     """How the kernel can read a (M, K): False for a itself row-major and aligned, True for a
     transposed view of an aligned row-major (K, M) tensor (dY.t() in dW = dY.t() @ X), None
-    otherwise."""
-    if _aligned(a):
-        return False
-    if _aligned(a.t()):
-        return True
-    return None
+    otherwise: the same test as b_row_major, asked of a.t()."""
+    return b_row_major(a.t())
 
 
 def ws_operands_fit(a, b, c, bias, activation, z) -> bool:
