@@ -226,11 +226,11 @@ class _Sm90Driver:
         return torch.device("cpu")
 
 
-def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False) -> dict:
+def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False, narrow: bool = False) -> dict:
     """The two warp-specialised Gluon kernels (sm_90): ws.matmul_ws_kernel in bf16 with the given
     epilogue (0: a bias; 1: a bias, then Z and gelu(Z) stored; 2: GELU's backward with the column
-    sums; 3: attn.c_proj's weight gradient, A transposed, K in 5 fp32 slices), B read as w.t() or
-    row-major, and
+    sums; 3: attn.c_proj's weight gradient, A transposed, K in 5 fp32 slices, or with `narrow` the
+    MLP's, unsplit on 128 x 160 tiles), B read as w.t() or row-major, and
     fp8_ws.fp8_ws_kernel promoting, with rowwise scales, for a 4096^3 product (descriptors of CPU
     tensors: only their shapes, strides and alignment matter here)."""
     import torch
@@ -250,16 +250,21 @@ def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False) -> 
                                                GROUP_M=fp8_ws.GROUP_M, STAGES=fp8_ws.default_stages(torch.bfloat16),
                                                num_warps=4, grid=(132,))
     elif epilogue == 3:
-        m, k = 768, 12288
+        # attn.c_proj's dW (768 x 768, sliced, wide tiles), or with `narrow` the MLP's (768 x 3072,
+        # unsplit, 128 x 160 tiles and their five stages)
+        m, n, k = (768, 3072 if narrow else 768, 12288)
         g = torch.empty(k, m, dtype=torch.bfloat16)  # dY (tokens, out): the product reads dY.t()
-        x = torch.empty(k, m, dtype=torch.bfloat16)
-        split = ws.split_for(m, m, k, 132)
+        x = torch.empty(k, n, dtype=torch.bfloat16)
+        split = ws.split_for(m, n, k, 132)
+        extra_n = ws.split_tile(m, n, k, split, 132)
+        assert (extra_n == ws.NARROW_EXTRA_N) == narrow, (split, extra_n)
         descs = [TensorDescriptor.from_tensor(t, box, layout) for t, (box, layout) in
-                 zip(ws.ws_tensors(g.t(), x, g, None, True, True), ws._layouts7(torch.bfloat16, True, True))]
-        compiled = ws.matmul_ws_kernel.warmup(*descs, g, g, torch.empty(split, m, m), m, m, k, HAS_BIAS=False,
-                                              EPILOGUE=3, A_T=True, B_ROW_MAJOR=True, GROUP_M=ws.group_rows(m),
-                                              SPLIT_K=split, STAGES=ws.STAGES, ROLES=1, num_warps=ws.NUM_WARPS,
-                                              grid=(120,))
+                 zip(ws.ws_tensors(g.t(), x, g, None, True, True), ws._layouts7(torch.bfloat16, True, True, extra_n))]
+        compiled = ws.matmul_ws_kernel.warmup(*descs, g, g, torch.empty(split, m, n), m, n, k, HAS_BIAS=False,
+                                              EPILOGUE=3, A_T=True, B_ROW_MAJOR=True,
+                                              GROUP_M=ws.group_rows(n, extra_n), SPLIT_K=split,
+                                              STAGES=ws.NARROW_STAGES if narrow else ws.STAGES, ROLES=1,
+                                              num_warps=ws.NUM_WARPS, grid=(120,))
     else:
         a = torch.empty(n, n, dtype=torch.bfloat16)
         b = a if row_major_b else a.t()  # row-major (K, N), or w.t() for a row-major weight w, as nn.Linear has
@@ -321,6 +326,8 @@ def main(targets) -> dict:
                                **attempt(compile_gluon, "ws", 2, True)})
         out["results"].append({"cc": 90, "kernel": "ws_split_weight_grad", "dtype": "bf16", "config": "fixed",
                                **attempt(compile_gluon, "ws", 3, True)})
+        out["results"].append({"cc": 90, "kernel": "ws_split_weight_grad_narrow", "dtype": "bf16", "config": "fixed",
+                               **attempt(compile_gluon, "ws", 3, True, True)})
     # The one-launch 16-bit AdamW, on a T4 and on Hopper.
     for cc in (75, 90):
         for aligned in (True, False):

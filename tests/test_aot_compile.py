@@ -121,12 +121,15 @@ def test_the_fp8_gemms_compile_for_fp8_tensor_cores(compiled, cc, kernel):
 @pytest.mark.parametrize("kernel,dtype,operands", [("ws", "bf16", "bf16"), ("ws_gelu", "bf16", "bf16"),
                                                     ("ws_row_major_b", "bf16", "bf16"),
                                                     ("ws_gelu_backward", "bf16", "bf16"),
-                                                    ("ws_split_weight_grad", "bf16", "bf16"), ("fp8_ws", "fp8", "e4m3")])
+                                                    ("ws_split_weight_grad", "bf16", "bf16"),
+                                                    ("ws_split_weight_grad_narrow", "bf16", "bf16"),
+                                                    ("fp8_ws", "fp8", "e4m3")])
 def test_the_gluon_kernels_compile_for_hopper(compiled, kernel, dtype, operands):
     """The warp-specialised kernels are written in Gluon, whose API moved between Triton releases
     (3.9 renamed the TMA copies): each, the bf16 kernel with its GELU epilogue (Z and gelu(Z)
     stored), with a row-major B (dX = dY @ W), with GELU's backward in the epilogue of
-    dOut W_proj, and reading A transposed with K split into fp32 planes (dW = dY.t() @ X), must
+    dOut W_proj, and reading A transposed with K split into fp32 planes (dW = dY.t() @ X; unsplit
+    on 128 x 160 tiles with five stages, the largest ring in shared memory), must
     compile with the Triton installed here, fit an H100's shared memory, and multiply on wgmma
     with the operand type it was written for."""
     if (90, kernel, dtype) not in compiled:
@@ -136,7 +139,7 @@ def test_the_gluon_kernels_compile_for_hopper(compiled, kernel, dtype, operands)
     assert 0 < record["shared"] <= SHARED_PER_BLOCK[90]
     assert record["mma"] > 0 and record["wgmma_types"] == [operands], record
     if kernel.startswith("ws"):  # A is read transposed (its (K, M) stages) only by the weight-gradient kernel
-        assert {a for a, _ in record["wgmma_transposed"]} == {"1" if kernel == "ws_split_weight_grad" else "0"}, record
+        assert {a for a, _ in record["wgmma_transposed"]} == {"1" if kernel.startswith("ws_split_weight_grad") else "0"}, record
     # The GELU epilogue is compiled in (one tanh instruction per element), and only where asked for.
     assert (record["tanh"] > 0) == (kernel == "ws_gelu"), record
     # GELU's backward evaluates gelu' with exp (ex2), as gelu.py does, not the tanh instruction.

@@ -12,6 +12,7 @@ and 2e-3 for fp16: loose enough for any correct kernel, orders of magnitude belo
 index, a missed K-tile or an unwritten tile gives (~1). NaN never passes.
 """
 import importlib
+import itertools
 import math
 import os
 import subprocess
@@ -801,6 +802,26 @@ def test_split_for_and_split_preferred_follow_the_fitted_cost_model():
                                     (768, 3072, 4): 114.1, (2304, 768, 3): 91.3}.items():
         assert abs(ws.split_cost(M, N, 12288, split, 132) / measured - 1) < 0.2, (M, N, split)
     assert abs(ws.tma_cost(2304, 768, 12288, 132) / 77.2 - 1) < 0.2
+    # The narrow tiles against their measurements: the MLP's dW unsplit on 120 of them, 96.2-98.0 µs.
+    for M, N in ((768, 3072), (3072, 768)):
+        assert abs(ws.split_cost(M, N, 12288, 1, 132, ws.NARROW_EXTRA_N) / 97.0 - 1) < 0.2, (M, N)
+
+
+def test_split_tile_narrows_only_unsplit_products_that_fill_more_of_the_gpu():
+    """split_tile: the MLP's weight gradients (96 wide tiles, one wave on 132 multiprocessors, or
+    120 narrow ones) take 128 x 160 tiles, measured 4-5 % faster; a sliced product and the output
+    layer's (1572 wide tiles, 12 waves, against 15 narrow waves) keep 128 x 192; and the choice
+    is the cheaper of the two by split_cost."""
+    assert ws.split_tile(768, 3072, 12288, 1, 132) == ws.split_tile(3072, 768, 12288, 1, 132) == ws.NARROW_EXTRA_N
+    assert ws.split_tile(768, 768, 12288, 5, 132) == ws.split_tile(768, 3072, 12288, 2, 132) == ws.EXTRA_N
+    assert ws.split_tile(50304, 768, 12288, 1, 132) == ws.EXTRA_N
+    for M, N, K in [(768, 3072, 12288), (50304, 768, 12288), (296, 200, 5000), (4096, 4096, 4096)]:
+        cheaper = min((ws.EXTRA_N, ws.NARROW_EXTRA_N), key=lambda e: ws.split_cost(M, N, K, 1, 132, e))
+        assert ws.split_tile(M, N, K, 1, 132) == cheaper, (M, N, K)
+    # The narrow tile is launch_split's alone: the other epilogues keep their shared-memory plan.
+    a = torch.empty(256, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="launch_split's products only"):
+        ws.ws_launch(a, a, a, None, 132, extra_n=ws.NARROW_EXTRA_N)
 
 
 def test_split_operands_fit_only_the_weight_gradient_layout():
@@ -824,6 +845,8 @@ def test_group_rows_narrow_outputs_sweep_four_tile_rows():
     the output layer among them, keep the module's GROUP_M."""
     assert ws.group_rows(768) == ws.group_rows(700) == 4
     assert ws.group_rows(769) == ws.group_rows(3072) == ws.group_rows(50304) == ws.GROUP_M == 8
+    # counted in the tiles launched: 768 is five narrow (160-wide) tiles across
+    assert ws.group_rows(768, ws.NARROW_EXTRA_N) == ws.GROUP_M and ws.group_rows(640, ws.NARROW_EXTRA_N) == 4
 
 
 def test_two_mma_partitions_only_for_plain_products_with_a_bias(monkeypatch):
@@ -1286,23 +1309,26 @@ def test_gpu_ws_split_weight_grad_against_float64():
     Tolerances: every product of two 16-bit inputs is exact in fp32, and K <= 5000 fp32 additions
     (in the tensor cores, then in the planes' sum) leave a relative error of a few 1e-6 in the
     Frobenius norm; 2e-5 allows it, where a slice summed twice or left out is O(1). A bf16 output
-    adds its rounding, 2^-9 relative at most: TOL. The same call twice gives the same bits."""
+    adds its rounding, 2^-9 relative at most: TOL. The same call twice gives the same bits. Each
+    shape runs on the wide 128 x 192 tiles and on the narrow 128 x 160 ones (five stages), whose
+    edges fall elsewhere (200 = 160 + 40, 392 = 2 x 160 + 72, 1000 = 6 x 160 + 40)."""
     if not _ws_available():
         pytest.skip("the warp-specialised kernel needs sm_90")
     for M, N, K, split, row_major in [(296, 200, 5000, 3, True), (768, 768, 4096, 5, True), (1000, 776, 2000, 4, False),
-                                      (776, 392, 3000, 1, True), (136, 200, 1111, 7, True), (64, 1000, 640, 2, False)]:
-        for out_dtype in (torch.float32, torch.bfloat16):
+                                      (776, 392, 3000, 1, True), (136, 200, 1111, 7, True), (64, 1000, 640, 2, False),
+                                      (768, 3072, 1024, 1, True), (1000, 776, 2000, 1, False)]:
+        for out_dtype, narrow in itertools.product((torch.float32, torch.bfloat16), (False, True)):
             g = rand(K, M)  # dY (tokens, out): the product reads its transpose, fresh inputs every time
             b = rand(K, N) if row_major else rand(N, K).t()
             a = g.t()
             wide = torch.full((M, N + 4), float("nan"), dtype=out_dtype, device="cuda")
             c = wide[:, :N]
             assert ws.split_eligible(a, b, c, None, None, None)
-            ws.launch_split(a, b, c, split)
+            ws.launch_split(a, b, c, split, narrow)
             again = torch.full((M, N), float("nan"), dtype=out_dtype, device="cuda")
-            ws.launch_split(a, b, again, split)
+            ws.launch_split(a, b, again, split, narrow)
             torch.cuda.synchronize()
-            case = (M, N, K, split, row_major, out_dtype)
+            case = (M, N, K, split, row_major, out_dtype, narrow)
             assert rel_err(c, reference(a, b)) < (2e-5 if out_dtype == torch.float32 else TOL[torch.bfloat16]), case
             assert torch.isnan(wide[:, N:]).all(), case
             assert torch.equal(c, again), case

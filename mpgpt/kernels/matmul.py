@@ -36,8 +36,8 @@ runs what `plan` says, so the two cannot disagree. `kernel="auto"` (the default)
 * sm_90, A transposed (a weight gradient), no split_k given: the warp-specialised kernel with K
   in slices (ws.split_eligible) where a cost model fitted to an H100 predicts it faster than the
   TMA kernel unsplit (ws.split_preferred: ws.split_cost below ws.tma_cost; the slices from
-  ws.split_for). For GPT-2's layers that is attn.c_proj's dW (5 slices) and the MLP's (1), not
-  c_attn's;
+  ws.split_for; the tile from ws.split_tile). For GPT-2's layers that is attn.c_proj's dW (5
+  slices) and the MLP's (1, on 128 x 160 tiles), not c_attn's;
 * sm_90 otherwise: the warp-specialised kernel where it can run (ws.ws_eligible: the forward layout or a
   row-major B) and its tiles fill the GPU's waves about as well as the TMA kernel's (ws.ws_preferred);
   otherwise the TMA kernel wherever it can read the operands, except a product whose automatic
@@ -176,6 +176,7 @@ def _plan_2d(a, b, c, bias, z, activation, kernel, split_k) -> Plan:
             s = split_k or ws.split_for(M, N, K, num_sms)
             ws.check_split(s, K)
             how = f"each tile's K in {s} slices, summed in fp32" if s > 1 else "K unsplit, written in fp32"
+            how += f", 128 x {ws.BLOCK_N + ws.split_tile(M, N, K, s, num_sms)} tiles"
             return Plan("ws", s, False, f"{where}: the warp-specialised kernel, {how}"
                                         + (", asked" if kernel == "ws" else " (split_preferred)"))
     if split_k is not None and split_k > 1:

@@ -63,7 +63,8 @@ product has few output tiles and a long K (attn.c_proj's dW: 24 tiles of 128 x 1
 multiprocessors, 192 K-steps each), so each tile's K-steps are split into SPLIT_K slices, each a
 work unit of its own (EPILOGUE=3: its fp32 product goes from registers into plane s of a
 (SPLIT_K, M, N) buffer, and the host adds the planes with one rounding). `split_for` picks the
-slices from a cost model (`split_cost`), and `split_preferred` says where `auto` takes this path.
+slices from a cost model (`split_cost`), `split_tile` whether an unsplit product takes narrower
+128 x 160 tiles that fill more of the GPU, and `split_preferred` says where `auto` takes this path.
 Everything else goes to the TMA kernel (tma.py) or the grouped kernel (grouped.py); `matmul.plan`
 decides, using `ws_eligible` and `ws_preferred`, and for a transposed A `split_eligible` and
 `split_preferred`. Gluon kernels run only compiled (there is no interpreter for them); where Gluon
@@ -95,6 +96,9 @@ else:
 
 # The one configuration (on the H200, 4 stages beat 3 at each of the three shapes timed both ways).
 BLOCK_M, BLOCK_N, EXTRA_N, BLOCK_K, STAGES, GROUP_M, NUM_WARPS = 128, 128, 64, 64, 4, 8, 8
+# launch_split's narrow tile, where split_tile picks it: 128 x 160 (a 32-wide second accumulator), with
+# five load stages, which fit in shared memory beside its narrower B boxes (with four it was no faster).
+NARROW_EXTRA_N, NARROW_STAGES = 32, 5
 
 if WS_IMPORT_ERROR is None and not env.interpreting():
 
@@ -651,14 +655,15 @@ def balanced_programs(tiles: int, num_sms: int) -> int:
     return -(-tiles // waves)
 
 
-def group_rows(N: int) -> int:
+def group_rows(N: int, extra_n: int = EXTRA_N) -> int:
     """GROUP_M, the tile rows a program sweeps before the next column of tiles, for an output N
-    wide: 4 where the output is at most four tiles wide (GPT-2's N = 768 products), else GROUP_M.
+    wide in tiles BLOCK_N + extra_n wide: 4 where the output is at most four tiles wide (GPT-2's
+    N = 768 products at 192), else GROUP_M.
     Measured on an H100 as replayed graphs, with balanced_programs, two timings each:
     12288 x 768 x 3072 took 88.1 us at 4 against 88.8-89.0 at 8, 12288 x 768 x 768 30.8-30.9
     against 31.2-31.3, dX of c_fc 86.0 against 86.9-87.0; the output layer (N = 50304) was much
     slower at 4 (1631-1633 against 1538-1545 us), and the other wide outputs within the noise."""
-    return 4 if -(-N // (BLOCK_N + EXTRA_N)) <= 4 else GROUP_M
+    return 4 if -(-N // (BLOCK_N + extra_n)) <= 4 else GROUP_M
 
 
 # The cost model behind split_for and split_preferred, in microseconds, fitted to replayed graphs on
@@ -671,26 +676,33 @@ def group_rows(N: int) -> int:
 # * the host's sum of the fp32 planes: _SUM_US, plus each plane read once and the output written once
 #   at _SUM_BYTES_PER_US (timed alone, L2 cleared: 9.2 us for 2 slices of 768 x 768 to 52.8 us for
 #   12 of 768 x 3072).
+# * a K-step of a narrow 128 x 160 tile (five stages) costs _NARROW_STEP of a 128 x 192 one at the same
+#   share of busy multiprocessors: not the 160/192 of its products, since the narrow second MMA reads
+#   as much of A from shared memory for half the work. Fitted to the MLP's two weight gradients unsplit
+#   (three timings each): 96.2-98.0 us on 120 narrow tiles against 101.0-101.8 on 96 wide ones.
 # Not modelled: with one slice and a bf16 or strided output, the kernel writes an fp32 plane that the
 # host then copies into the output (one more pass over M x N).
 _STEP_US = (0.45, 0.2)
 _UNIT_STEPS = 4
 _SUM_US = 7.0
 _SUM_BYTES_PER_US = 2.8e6
+_NARROW_STEP = 0.9
 
 
 def _step_us(programs: int, num_sms: int) -> float:
     return _STEP_US[0] + _STEP_US[1] * min(programs, num_sms) / num_sms
 
 
-def split_cost(M: int, N: int, K: int, split_k: int, num_sms: int) -> float:
-    """Predicted microseconds of launch_split with `split_k` slices (see the constants above): the
-    busiest program's units (waves of balanced programs, each unit its share of the K-steps plus
-    _UNIT_STEPS), plus the sum of the fp32 planes where there is one to do."""
-    units = -(-M // BLOCK_M) * -(-N // (BLOCK_N + EXTRA_N)) * split_k
+def split_cost(M: int, N: int, K: int, split_k: int, num_sms: int, extra_n: int = EXTRA_N) -> float:
+    """Predicted microseconds of launch_split with `split_k` slices and tiles BLOCK_N + extra_n
+    wide (see the constants above): the busiest program's units (waves of balanced programs, each
+    unit its share of the K-steps plus _UNIT_STEPS), plus the sum of the fp32 planes where there
+    is one to do."""
+    units = -(-M // BLOCK_M) * -(-N // (BLOCK_N + extra_n)) * split_k
     k_tiles = -(-K // BLOCK_K)
     waves = -(-units // num_sms)
-    us = waves * (-(-k_tiles // split_k) + _UNIT_STEPS) * _step_us(balanced_programs(units, num_sms), num_sms)
+    step = _step_us(balanced_programs(units, num_sms), num_sms) * (_NARROW_STEP if extra_n != EXTRA_N else 1.0)
+    us = waves * (-(-k_tiles // split_k) + _UNIT_STEPS) * step
     if split_k > 1:
         us += _SUM_US + (split_k + 1) * M * N * 4 / _SUM_BYTES_PER_US
     return us
@@ -705,13 +717,37 @@ def tma_cost(M: int, N: int, K: int, num_sms: int) -> float:
     return -(-tiles // num_sms) * -(-K // BLOCK_K) * 2 / 3 * _step_us(tiles, num_sms)
 
 
+def split_tile(M: int, N: int, K: int, split_k: int, num_sms: int) -> int:
+    """The second accumulator's width (extra_n) for launch_split: NARROW_EXTRA_N (128 x 160 tiles,
+    NARROW_STAGES stages) for an unsplit product where split_cost predicts it faster, else
+    EXTRA_N (128 x 192, STAGES). The MLP's weight gradients (768 x 3072 and 3072 x 768) make 96
+    wide tiles, one wave on 96 of 132 multiprocessors, or 120 narrow ones. Measured on an H100
+    as replayed graphs (µs, three timings each, cuBLAS with a bf16 output 83.6-84.7):
+
+        tiles (stages)       768 x 3072     3072 x 768
+        128 x 192 (4)        101.4-101.8    101.0-101.3
+        128 x 160 (4)        101.4-102.6    102.6-102.8
+        128 x 160 (5)         96.2-96.4      96.9-98.0
+        128 x 144 (5)         99.5          167.0-167.5   (132 and 144 tiles)
+
+    Sliced products keep the wide tiles (narrow ones were not measured with slices)."""
+    if split_k == 1 and split_cost(M, N, K, 1, num_sms, NARROW_EXTRA_N) < split_cost(M, N, K, 1, num_sms):
+        return NARROW_EXTRA_N
+    return EXTRA_N
+
+
+def _split_cost_at(M: int, N: int, K: int, split_k: int, num_sms: int) -> float:
+    """split_cost with split_tile's tile for those slices."""
+    return split_cost(M, N, K, split_k, num_sms, split_tile(M, N, K, split_k, num_sms))
+
+
 def split_for(M: int, N: int, K: int, num_sms: int, most: int = 16) -> int:
     """The slices of K for launch_split that split_cost predicts fastest (1 to `most`, at
-    least one K-step each). attn.c_proj's dW (768 x 768, K = 12288): 5 slices, 120 units of
-    38-39 K-steps, one wave; the MLP's (96 tiles): 1, since the sum of the planes would cost more
-    than the idle multiprocessors."""
+    least one K-step each, with split_tile's tile). attn.c_proj's dW (768 x 768, K = 12288): 5
+    slices, 120 units of 38-39 K-steps, one wave; the MLP's: 1, on 120 narrow tiles, since the sum
+    of the planes would cost more than the idle multiprocessors."""
     k_tiles = -(-K // BLOCK_K)
-    return min(range(1, min(most, k_tiles) + 1), key=lambda s: (split_cost(M, N, K, s, num_sms), s))
+    return min(range(1, min(most, k_tiles) + 1), key=lambda s: (_split_cost_at(M, N, K, s, num_sms), s))
 
 
 def split_preferred(M: int, N: int, K: int, num_sms: int) -> bool:
@@ -726,8 +762,9 @@ def split_preferred(M: int, N: int, K: int, num_sms: int) -> bool:
         mlp.c_proj   126.8        101.0 (1 slice)        84.3
 
     The TMA kernel's 108 tiles for c_attn fill one wave; the MLP's 144 make two, the second
-    nearly empty; attn.c_proj's 36 leave most of the GPU idle unless K is sliced."""
-    return split_cost(M, N, K, split_for(M, N, K, num_sms), num_sms) < tma_cost(M, N, K, num_sms)
+    nearly empty; attn.c_proj's 36 leave most of the GPU idle unless K is sliced. (The MLP's
+    launch_split times are those of its wide tiles; split_tile's narrow ones are faster still.)"""
+    return _split_cost_at(M, N, K, split_for(M, N, K, num_sms), num_sms) < tma_cost(M, N, K, num_sms)
 
 
 def ws_preferred(M: int, N: int, num_sms: int) -> bool:
@@ -756,18 +793,19 @@ def check_split(split_k: int, K: int) -> None:
 _LAYOUTS: dict = {}
 
 
-def _layouts(dtype, row_major_b=False, a_t=False):
-    """The NVMMA shared-memory layouts (swizzles) of the five descriptor boxes, per dtype and
-    layouts of A and B: A's ((M, K) boxes, or (K, M) ones of a.t() for a transposed A), B's two
-    (w's (N, K) boxes, or (K, N) ones for a row-major B), C's two."""
-    key = (dtype, row_major_b, a_t)
+def _layouts(dtype, row_major_b=False, a_t=False, extra_n=EXTRA_N):
+    """The NVMMA shared-memory layouts (swizzles) of the five descriptor boxes, per dtype, layouts
+    of A and B and width of the second accumulator: A's ((M, K) boxes, or (K, M) ones of a.t() for
+    a transposed A), B's two (w's (N, K) boxes, or (K, N) ones for a row-major B), C's two. The
+    boxes fix the tile: BLOCK_N + extra_n wide."""
+    key = (dtype, row_major_b, a_t, extra_n)
     if key not in _LAYOUTS:
         gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
         get = gl.NVMMASharedLayout.get_default_for
         a_box = (BLOCK_K, BLOCK_M) if a_t else (BLOCK_M, BLOCK_K)
-        b_boxes = ((BLOCK_K, BLOCK_N), (BLOCK_K, EXTRA_N)) if row_major_b else ((BLOCK_N, BLOCK_K), (EXTRA_N, BLOCK_K))
+        b_boxes = ((BLOCK_K, BLOCK_N), (BLOCK_K, extra_n)) if row_major_b else ((BLOCK_N, BLOCK_K), (extra_n, BLOCK_K))
         _LAYOUTS[key] = [([bm, bn], get([bm, bn], gdt)) for bm, bn in
-                         (a_box, *b_boxes, (BLOCK_M, BLOCK_N), (BLOCK_M, EXTRA_N))]
+                         (a_box, *b_boxes, (BLOCK_M, BLOCK_N), (BLOCK_M, extra_n))]
     return _LAYOUTS[key]
 
 
@@ -798,9 +836,9 @@ def lean_descriptors(a, b, c, z=None, row_major_b=None, a_t=False):
     return tuple(_HostDesc(t) for t in ws_tensors(a, b, c, z, row_major_b, a_t))
 
 
-def _layouts7(dtype, row_major_b=False, a_t=False):
+def _layouts7(dtype, row_major_b=False, a_t=False, extra_n=EXTRA_N):
     """Box and layout of each of the seven descriptors: Z's are C's."""
-    layouts = _layouts(dtype, row_major_b, a_t)
+    layouts = _layouts(dtype, row_major_b, a_t, extra_n)
     return layouts + layouts[3:5]
 
 
@@ -835,14 +873,17 @@ def mma_roles(epilogue: int, split_k: int, has_bias: bool) -> int:
     return PINGPONG_ROLES if epilogue == 0 and split_k == 1 and has_bias else 1
 
 
-def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, part=None, split_k=1):
+def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, part=None, split_k=1,
+              extra_n=EXTRA_N):
     """Launch c = a @ b (+ bias) on the warp-specialised kernel (the caller checked ws_eligible),
     or with epilogue 1 (z = a @ b + bias, c = gelu(z)), or 2 (c = (a @ b) * gelu'(z), and with
     ``part`` the column sums of that, see gelu_backward_fused), or 3 (``part`` (split_k, M, N)
     fp32 receives the product of each slice of K; c is then only a 16-bit stand-in for the
-    unused C descriptors, see launch_split). Returns (the jitted kernel, the compiled kernel,
+    unused C descriptors, see launch_split; there extra_n may be NARROW_EXTRA_N). Returns (the jitted kernel, the compiled kernel,
     grid, args, kwargs): what launch.compiled_launch needs to repeat it, with the N_TENSORS
     tensor arguments first."""
+    if extra_n != EXTRA_N and epilogue != 3:
+        raise ValueError(f"extra_n={extra_n} (narrow tiles) is for launch_split's products only; leave it {EXTRA_N}")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     M, K = a.shape
     N = b.shape[1]
@@ -850,15 +891,16 @@ def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, par
     a_t = bool(a_transposed(a))
     descs = tuple(TensorDescriptor.from_tensor(t, box, layout) for t, (box, layout) in
                   zip(ws_tensors(a, b, c, z if epilogue else None, row_major_b, a_t),
-                      _layouts7(a.dtype, row_major_b, a_t)))
+                      _layouts7(a.dtype, row_major_b, a_t, extra_n)))
     check_split(split_k, K)
-    units = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N + EXTRA_N) * split_k
+    stages = STAGES_GELU_BACKWARD if epilogue == 2 else NARROW_STAGES if extra_n == NARROW_EXTRA_N else STAGES
+    units = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N + extra_n) * split_k
     grid = (min(num_programs or balanced_programs(units, num_sms), units),)
     args = (*descs, bias if bias is not None else c, c, part if part is not None else c, M, N, K)
     has_bias = part is not None if epilogue == 2 else bias is not None
     roles = mma_roles(epilogue, split_k, bias is not None)
-    kwargs = dict(HAS_BIAS=has_bias, EPILOGUE=epilogue, A_T=a_t, B_ROW_MAJOR=row_major_b, GROUP_M=group_rows(N),
-                  SPLIT_K=split_k, STAGES=STAGES_GELU_BACKWARD if epilogue == 2 else STAGES, ROLES=roles,
+    kwargs = dict(HAS_BIAS=has_bias, EPILOGUE=epilogue, A_T=a_t, B_ROW_MAJOR=row_major_b,
+                  GROUP_M=group_rows(N, extra_n), SPLIT_K=split_k, STAGES=stages, ROLES=roles,
                   num_warps=NUM_WARPS // roles)
     compiled = matmul_ws_kernel[grid](*args, **kwargs)
     return matmul_ws_kernel, compiled, grid, args, kwargs
@@ -887,17 +929,22 @@ def _add_planes(part, c):
         c.copy_(part.sum(dim=0))
 
 
-def launch_split(a, b, c, split_k):
+def launch_split(a, b, c, split_k, narrow=None):
     """c = a @ b for a transposed A (the caller checked split_eligible) through fp32 partial sums:
     the kernel splits each 128 x 192 tile's K-steps into `split_k` slices (work units of their
     own, so that few tiles and a long K, as in a weight gradient, still fill the GPU), each unit
     writes its slice's fp32 product into plane s of a (split_k, M, N) buffer, and the host adds
     the planes with one rounding into c (torch.sum over the planes: the same order every call,
     so the result repeats bit for bit). With split_k = 1 and a contiguous fp32 c, the kernel
-    writes c directly. Returns a replay function `(a, b, c, bias, z)`, as `launch` does, or None."""
+    writes c directly. `narrow`: 128 x 160 tiles (True) or 128 x 192 (False); None leaves it to
+    split_tile. Returns a replay function `(a, b, c, bias, z)`, as `launch` does, or None."""
     M, K = a.shape
     N = b.shape[1]
     check_split(split_k, K)
+    if narrow is None:
+        extra_n = split_tile(M, N, K, split_k, env.num_sms(a.device))
+    else:
+        extra_n = NARROW_EXTRA_N if narrow else EXTRA_N
     direct = split_k == 1 and c.dtype == torch.float32 and c.is_contiguous()
 
     def planes(c):
@@ -905,7 +952,7 @@ def launch_split(a, b, c, split_k):
     stand_in = a.t()  # a 16-bit tensor for the C and Z descriptors, which this epilogue never uses
     part = planes(c)
     jit_fn, compiled, grid, args, kwargs = ws_launch(a, b, stand_in, None, env.num_sms(a.device), epilogue=3,
-                                                     part=part, split_k=split_k)
+                                                     part=part, split_k=split_k, extra_n=extra_n)
     if not direct:
         _add_planes(part, c)
     remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=N_TENSORS)
