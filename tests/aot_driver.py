@@ -251,7 +251,7 @@ def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False, nar
                                                num_warps=4, grid=(132,))
     elif epilogue == 3:
         # attn.c_proj's dW (768 x 768, sliced, wide tiles), or with `narrow` the MLP's (768 x 3072,
-        # unsplit, 128 x 160 tiles and their five stages)
+        # unsplit, 128 x 160 tiles), both with SPLIT_STAGES stages
         m, n, k = (768, 3072 if narrow else 768, 12288)
         g = torch.empty(k, m, dtype=torch.bfloat16)  # dY (tokens, out): the product reads dY.t()
         x = torch.empty(k, n, dtype=torch.bfloat16)
@@ -263,7 +263,7 @@ def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False, nar
         compiled = ws.matmul_ws_kernel.warmup(*descs, g, g, torch.empty(split, m, n), m, n, k, HAS_BIAS=False,
                                               EPILOGUE=3, A_T=True, B_ROW_MAJOR=True,
                                               GROUP_M=ws.group_rows(n, extra_n), SPLIT_K=split,
-                                              STAGES=ws.NARROW_STAGES if narrow else ws.STAGES, ROLES=1,
+                                              STAGES=ws.SPLIT_STAGES, ROLES=1,
                                               num_warps=ws.NUM_WARPS, grid=(120,))
     else:
         a = torch.empty(n, n, dtype=torch.bfloat16)

@@ -129,7 +129,7 @@ def test_the_gluon_kernels_compile_for_hopper(compiled, kernel, dtype, operands)
     (3.9 renamed the TMA copies): each, the bf16 kernel with its GELU epilogue (Z and gelu(Z)
     stored), with a row-major B (dX = dY @ W), with GELU's backward in the epilogue of
     dOut W_proj, and reading A transposed with K split into fp32 planes (dW = dY.t() @ X; unsplit
-    on 128 x 160 tiles with five stages, the largest ring in shared memory), must
+    on 128 x 160 tiles; both with five stages, the deepest ring in shared memory), must
     compile with the Triton installed here, fit an H100's shared memory, and multiply on wgmma
     with the operand type it was written for."""
     if (90, kernel, dtype) not in compiled:

@@ -96,9 +96,10 @@ else:
 
 # The one configuration (on the H200, 4 stages beat 3 at each of the three shapes timed both ways).
 BLOCK_M, BLOCK_N, EXTRA_N, BLOCK_K, STAGES, GROUP_M, NUM_WARPS = 128, 128, 64, 64, 4, 8, 8
-# launch_split's narrow tile, where split_tile picks it: 128 x 160 (a 32-wide second accumulator), with
-# five load stages, which fit in shared memory beside its narrower B boxes (with four it was no faster).
-NARROW_EXTRA_N, NARROW_STAGES = 32, 5
+# launch_split's units write their fp32 products from registers, without C's staging buffers, so a
+# deeper ring fits in shared memory there: SPLIT_STAGES for both its tiles, 128 x 192 and, where
+# split_tile picks it, 128 x 160 (NARROW_EXTRA_N, a 32-wide second accumulator). See split_tile.
+NARROW_EXTRA_N, SPLIT_STAGES = 32, 5
 
 if WS_IMPORT_ERROR is None and not env.interpreting():
 
@@ -676,17 +677,17 @@ def group_rows(N: int, extra_n: int = EXTRA_N) -> int:
 # * the host's sum of the fp32 planes: _SUM_US, plus each plane read once and the output written once
 #   at _SUM_BYTES_PER_US (timed alone, L2 cleared: 9.2 us for 2 slices of 768 x 768 to 52.8 us for
 #   12 of 768 x 3072).
-# * a K-step of a narrow 128 x 160 tile (five stages) costs _NARROW_STEP of a 128 x 192 one at the same
-#   share of busy multiprocessors: not the 160/192 of its products, since the narrow second MMA reads
-#   as much of A from shared memory for half the work. Fitted to the MLP's two weight gradients unsplit
-#   (three timings each): 96.2-98.0 us on 120 narrow tiles against 101.0-101.8 on 96 wide ones.
+# * a K-step of a narrow 128 x 160 tile costs _NARROW_STEP of a 128 x 192 one at the same share of
+#   busy multiprocessors, not the 160/192 of its products (probably because the narrow second MMA
+#   reads as much of A from shared memory for half the work; not profiled). Fitted to the MLP's two
+#   weight gradients unsplit, five stages each (split_tile's table).
 # Not modelled: with one slice and a bf16 or strided output, the kernel writes an fp32 plane that the
 # host then copies into the output (one more pass over M x N).
 _STEP_US = (0.45, 0.2)
 _UNIT_STEPS = 4
 _SUM_US = 7.0
 _SUM_BYTES_PER_US = 2.8e6
-_NARROW_STEP = 0.9
+_NARROW_STEP = 0.92
 
 
 def _step_us(programs: int, num_sms: int) -> float:
@@ -718,19 +719,20 @@ def tma_cost(M: int, N: int, K: int, num_sms: int) -> float:
 
 
 def split_tile(M: int, N: int, K: int, split_k: int, num_sms: int) -> int:
-    """The second accumulator's width (extra_n) for launch_split: NARROW_EXTRA_N (128 x 160 tiles,
-    NARROW_STAGES stages) for an unsplit product where split_cost predicts it faster, else
-    EXTRA_N (128 x 192, STAGES). The MLP's weight gradients (768 x 3072 and 3072 x 768) make 96
-    wide tiles, one wave on 96 of 132 multiprocessors, or 120 narrow ones. Measured on an H100
-    as replayed graphs (µs, three timings each, cuBLAS with a bf16 output 83.6-84.7):
+    """The second accumulator's width (extra_n) for launch_split: NARROW_EXTRA_N (128 x 160 tiles)
+    for an unsplit product where split_cost predicts it faster, else EXTRA_N (128 x 192). The MLP's
+    weight gradients (768 x 3072 and 3072 x 768) make 96 wide tiles, one wave on 96 of 132
+    multiprocessors, or 120 narrow ones. Measured on an H100 as replayed graphs, fp32 output (µs,
+    two timings each; tiles and stages, with cuBLAS's bf16 product beside):
 
-        tiles (stages)       768 x 3072     3072 x 768
-        128 x 192 (4)        101.4-101.8    101.0-101.3
-        128 x 160 (4)        101.4-102.6    102.6-102.8
-        128 x 160 (5)         96.2-96.4      96.9-98.0
-        128 x 144 (5)         99.5          167.0-167.5   (132 and 144 tiles)
+        product              cuBLAS      192 (4)       192 (5)       160 (5)       160 (6)
+        MLP, 768 x 3072      85.2        102.5-102.6    99.6-99.9     97.3-97.5     96.9-97.0
+        MLP, 3072 x 768      84.9-85.3   101.9-102.1    99.5-100.0    98.0-98.3     98.0-98.4
+        attn.c_proj, 5 sl.   39.3-39.5    41.1-41.2     38.5-38.6     50.5-50.6     50.6-50.7
+        c_attn, 3 slices     67.6-67.7    91.8-91.9     87.8-88.0    108.4-108.5   111.3
 
-    Sliced products keep the wide tiles (narrow ones were not measured with slices)."""
+    Five stages beat four at both widths (SPLIT_STAGES). With slices the narrow tiles lose: 768 is
+    4.8 of them across, so attn.c_proj's 5 slices make 150 units, two waves of 132."""
     if split_k == 1 and split_cost(M, N, K, 1, num_sms, NARROW_EXTRA_N) < split_cost(M, N, K, 1, num_sms):
         return NARROW_EXTRA_N
     return EXTRA_N
@@ -762,8 +764,8 @@ def split_preferred(M: int, N: int, K: int, num_sms: int) -> bool:
         mlp.c_proj   126.8        101.0 (1 slice)        84.3
 
     The TMA kernel's 108 tiles for c_attn fill one wave; the MLP's 144 make two, the second
-    nearly empty; attn.c_proj's 36 leave most of the GPU idle unless K is sliced. (The MLP's
-    launch_split times are those of its wide tiles; split_tile's narrow ones are faster still.)"""
+    nearly empty; attn.c_proj's 36 leave most of the GPU idle unless K is sliced. (launch_split's
+    times here are those of wide tiles and four stages; split_tile's table has faster ones.)"""
     return _split_cost_at(M, N, K, split_for(M, N, K, num_sms), num_sms) < tma_cost(M, N, K, num_sms)
 
 
@@ -893,7 +895,7 @@ def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, par
                   zip(ws_tensors(a, b, c, z if epilogue else None, row_major_b, a_t),
                       _layouts7(a.dtype, row_major_b, a_t, extra_n)))
     check_split(split_k, K)
-    stages = STAGES_GELU_BACKWARD if epilogue == 2 else NARROW_STAGES if extra_n == NARROW_EXTRA_N else STAGES
+    stages = STAGES_GELU_BACKWARD if epilogue == 2 else SPLIT_STAGES if epilogue == 3 else STAGES
     units = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N + extra_n) * split_k
     grid = (min(num_programs or balanced_programs(units, num_sms), units),)
     args = (*descs, bias if bias is not None else c, c, part if part is not None else c, M, N, K)
