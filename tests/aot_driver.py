@@ -226,11 +226,13 @@ class _Sm90Driver:
         return torch.device("cpu")
 
 
-def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False, narrow: bool = False) -> dict:
+def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False, narrow: bool = False,
+                  n_out: int = 4096) -> dict:
     """The two warp-specialised Gluon kernels (sm_90): ws.matmul_ws_kernel in bf16 with the given
     epilogue (0: a bias; 1: a bias, then Z and gelu(Z) stored; 2: GELU's backward with the column
     sums; 3: attn.c_proj's weight gradient, A transposed, K in 5 fp32 slices, or with `narrow` the
-    MLP's, unsplit on 128 x 160 tiles), B read as w.t() or row-major, and
+    MLP's, unsplit on 128 x 160 tiles), B read as w.t() or row-major, an output n_out wide (768:
+    the sliced store of ws.sliced_store, with its fifth stage), and
     fp8_ws.fp8_ws_kernel promoting, with rowwise scales, for a 4096^3 product (descriptors of CPU
     tensors: only their shapes, strides and alignment matter here)."""
     import torch
@@ -251,7 +253,7 @@ def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False, nar
                                                num_warps=4, grid=(132,))
     elif epilogue == 3:
         # attn.c_proj's dW (768 x 768, sliced, wide tiles), or with `narrow` the MLP's (768 x 3072,
-        # unsplit, 128 x 160 tiles), both with SPLIT_STAGES stages
+        # unsplit, 128 x 160 tiles), both with DEEP_STAGES stages
         m, n, k = (768, 3072 if narrow else 768, 12288)
         g = torch.empty(k, m, dtype=torch.bfloat16)  # dY (tokens, out): the product reads dY.t()
         x = torch.empty(k, n, dtype=torch.bfloat16)
@@ -263,19 +265,21 @@ def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False, nar
         compiled = ws.matmul_ws_kernel.warmup(*descs, g, g, torch.empty(split, m, n), m, n, k, HAS_BIAS=False,
                                               EPILOGUE=3, A_T=True, B_ROW_MAJOR=True,
                                               GROUP_M=ws.group_rows(n, extra_n), SPLIT_K=split,
-                                              STAGES=ws.SPLIT_STAGES, ROLES=1,
+                                              STAGES=ws.DEEP_STAGES, ROLES=1, SLICED=False,
                                               num_warps=ws.NUM_WARPS, grid=(120,))
     else:
         a = torch.empty(n, n, dtype=torch.bfloat16)
-        b = a if row_major_b else a.t()  # row-major (K, N), or w.t() for a row-major weight w, as nn.Linear has
-        roles = ws.mma_roles(epilogue, 1, True)
+        w = torch.empty(n_out, n, dtype=torch.bfloat16)
+        b = w.t().contiguous() if row_major_b else w.t()  # row-major (K, N), or w.t() as nn.Linear holds w
+        c = torch.empty(n, n_out, dtype=torch.bfloat16)
+        roles, sliced = ws.mma_roles(epilogue, 1, True, n_out), ws.sliced_store(epilogue, 1, n_out)
+        stages = ws.STAGES_GELU_BACKWARD if epilogue == 2 else ws.DEEP_STAGES if sliced else ws.STAGES
         descs = [TensorDescriptor.from_tensor(t, box, layout)
-                 for t, (box, layout) in zip(ws.ws_tensors(a, b, a), ws._layouts7(torch.bfloat16, row_major_b))]
-        compiled = ws.matmul_ws_kernel.warmup(*descs, a[0], a, torch.empty(n, 32), n, n, n, HAS_BIAS=True,
+                 for t, (box, layout) in zip(ws.ws_tensors(a, b, c), ws._layouts7(torch.bfloat16, row_major_b))]
+        compiled = ws.matmul_ws_kernel.warmup(*descs, c[0], c, torch.empty(n_out, 32), n, n_out, n, HAS_BIAS=True,
                                               EPILOGUE=epilogue, A_T=False, B_ROW_MAJOR=row_major_b,
-                                              GROUP_M=ws.GROUP_M, SPLIT_K=1,
-                                              STAGES=ws.STAGES_GELU_BACKWARD if epilogue == 2 else ws.STAGES,
-                                              ROLES=roles, num_warps=ws.NUM_WARPS // roles, grid=(132,))
+                                              GROUP_M=ws.group_rows(n_out), SPLIT_K=1, STAGES=stages, ROLES=roles,
+                                              SLICED=sliced, num_warps=ws.NUM_WARPS // roles, grid=(132,))
     ptx = compiled.asm["ptx"]
     return {"shared": compiled.metadata.shared, **instructions(ptx), "tanh": ptx.count("tanh.approx.f32"),
             "ex2": ptx.count("ex2.approx"),
@@ -328,6 +332,8 @@ def main(targets) -> dict:
                                **attempt(compile_gluon, "ws", 3, True)})
         out["results"].append({"cc": 90, "kernel": "ws_split_weight_grad_narrow", "dtype": "bf16", "config": "fixed",
                                **attempt(compile_gluon, "ws", 3, True, True)})
+        out["results"].append({"cc": 90, "kernel": "ws_sliced_store", "dtype": "bf16", "config": "fixed",
+                               **attempt(compile_gluon, "ws", 0, False, False, 768)})
     # The one-launch 16-bit AdamW, on a T4 and on Hopper.
     for cc in (75, 90):
         for aligned in (True, False):

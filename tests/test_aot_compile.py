@@ -123,13 +123,15 @@ def test_the_fp8_gemms_compile_for_fp8_tensor_cores(compiled, cc, kernel):
                                                     ("ws_gelu_backward", "bf16", "bf16"),
                                                     ("ws_split_weight_grad", "bf16", "bf16"),
                                                     ("ws_split_weight_grad_narrow", "bf16", "bf16"),
+                                                    ("ws_sliced_store", "bf16", "bf16"),
                                                     ("fp8_ws", "fp8", "e4m3")])
 def test_the_gluon_kernels_compile_for_hopper(compiled, kernel, dtype, operands):
     """The warp-specialised kernels are written in Gluon, whose API moved between Triton releases
     (3.9 renamed the TMA copies): each, the bf16 kernel with its GELU epilogue (Z and gelu(Z)
     stored), with a row-major B (dX = dY @ W), with GELU's backward in the epilogue of
     dOut W_proj, and reading A transposed with K split into fp32 planes (dW = dY.t() @ X; unsplit
-    on 128 x 160 tiles; both with five stages, the deepest ring in shared memory), must
+    on 128 x 160 tiles; both with five stages, the deepest ring in shared memory), and an N = 768
+    output stored in slices through one staging buffer, beside five stages, must
     compile with the Triton installed here, fit an H100's shared memory, and multiply on wgmma
     with the operand type it was written for."""
     if (90, kernel, dtype) not in compiled:

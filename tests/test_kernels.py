@@ -854,12 +854,38 @@ def test_two_mma_partitions_only_for_plain_products_with_a_bias(monkeypatch):
     a plain product of whole tiles with a bias. Without a bias, with a GELU epilogue (which has an
     epilogue partition of its own) or with K in slices, one partition; PINGPONG_ROLES = 1 turns
     it off."""
-    assert ws.mma_roles(0, 1, True) == 2
-    assert ws.mma_roles(0, 1, False) == 1
-    assert ws.mma_roles(1, 1, True) == ws.mma_roles(2, 1, True) == 1
-    assert ws.mma_roles(3, 1, False) == ws.mma_roles(3, 5, False) == 1
+    assert ws.mma_roles(0, 1, True, 2304) == ws.mma_roles(0, 1, True, 3072) == 2
+    assert ws.mma_roles(0, 1, False, 2304) == 1
+    assert ws.mma_roles(1, 1, True, 3072) == ws.mma_roles(2, 1, True, 768) == 1
+    assert ws.mma_roles(3, 1, False, 3072) == ws.mma_roles(3, 5, False, 768) == 1
+    # An N = 768 output takes the sliced store on one partition, bias or not, unless it is off.
+    assert ws.mma_roles(0, 1, True, 768) == 1
+    monkeypatch.setattr(ws, "SLICED_STORE", False)
+    assert ws.mma_roles(0, 1, True, 768) == 2
     monkeypatch.setattr(ws, "PINGPONG_ROLES", 1)
-    assert ws.mma_roles(0, 1, True) == 1
+    assert ws.mma_roles(0, 1, True, 2304) == 1
+
+
+def test_sliced_store_only_for_plain_unsplit_narrow_outputs(monkeypatch):
+    """The sliced store (one staging buffer, a fifth load stage) where it measured faster: plain
+    products whose output is at most four 192-wide tiles across (GPT-2's N = 768: attn.c_proj,
+    mlp.c_proj, the input gradients of c_fc and attn.c_proj); not the wide outputs (c_attn's
+    2304, c_fc's 3072, the output layer's 50304), nor the GELU epilogues or sliced K."""
+    assert ws.sliced_store(0, 1, 768) and ws.sliced_store(0, 1, 200) and ws.sliced_store(0, 1, 16)
+    assert not ws.sliced_store(0, 1, 769) and not ws.sliced_store(0, 1, 2304) and not ws.sliced_store(0, 1, 50304)
+    assert not ws.sliced_store(1, 1, 768) and not ws.sliced_store(2, 1, 768) and not ws.sliced_store(3, 1, 768)
+    assert not ws.sliced_store(0, 2, 768)
+    # The same outputs group four tile rows (group_rows): one notion of a narrow output.
+    for N in (200, 768, 769, 3072):
+        assert ws.sliced_store(0, 1, N) == (ws.group_rows(N) == 4), N
+    monkeypatch.setattr(ws, "SLICED_STORE", False)
+    assert not ws.sliced_store(0, 1, 768)
+    # Shared memory: five 40 KiB stages and one 128 x 64 staging buffer fit in a block's 227 KiB;
+    # with the 128 x 128 buffer as well, they would not.
+    stage = (ws.BLOCK_M + ws.BLOCK_N + ws.EXTRA_N) * ws.BLOCK_K * 2
+    limit = 227 * 1024
+    assert ws.DEEP_STAGES * stage + ws.BLOCK_M * ws.EXTRA_N * 2 <= limit
+    assert ws.DEEP_STAGES * stage + ws.BLOCK_M * (ws.BLOCK_N + ws.EXTRA_N) * 2 > limit
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1268,9 +1294,10 @@ def _ws_available():
 
 
 @pytest.mark.sm80
+@pytest.mark.parametrize("sliced", [True, False])
 @pytest.mark.parametrize("roles", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_ws_kernel_against_float64(dtype, roles, monkeypatch):
+def test_gpu_ws_kernel_against_float64(dtype, roles, sliced, monkeypatch):
     """The warp-specialised kernel at shapes with edges in M, N and K (N not a multiple of its
     192-wide tile; N = 200 leaves the 64-wide part of the last tile wholly outside), with and
     without bias, on every SM or on only 7 programs (each then runs many tiles back to back, so
@@ -1278,11 +1305,14 @@ def test_gpu_ws_kernel_against_float64(dtype, roles, monkeypatch):
     row-major (dX = dY @ W), with one MMA partition and, where there is a bias (ws.mma_roles),
     with two taking the tiles in turn. With 7 programs each partition runs several tiles: 5 or 6
     a program at the first shape, and at K = 64 11 or 12 tiles of a single K-step each, where the
-    turns' barrier is hardest to get right. The output is a NaN-filled view inside a wider
-    buffer: every element must be written, and nothing outside it."""
+    turns' barrier is hardest to get right. Outputs at most four tiles across (N = 200, 192, 768)
+    go out in slices through one staging buffer beside five load stages (ws.sliced_store), or,
+    with that switched off, as the wider outputs do. The output is a NaN-filled view inside a
+    wider buffer: every element must be written, and nothing outside it."""
     if not _ws_available():
         pytest.skip("the warp-specialised kernel needs sm_90")
     monkeypatch.setattr(ws, "PINGPONG_ROLES", roles)
+    monkeypatch.setattr(ws, "SLICED_STORE", sliced)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for M, K, N in [(1000, 1000, 776), (77, 3072, 200), (300, 64, 192), (2000, 64, 776), (12288, 768, 768)]:
         for use_bias, programs, row_major in [(False, None, False), (True, None, False), (True, 7, False),
@@ -1295,7 +1325,7 @@ def test_gpu_ws_kernel_against_float64(dtype, roles, monkeypatch):
             assert ws.ws_eligible(a, b, c, bias, None, None) and ws.b_row_major(b) is row_major
             ws.ws_launch(a, b, c, bias, num_sms, num_programs=programs)
             torch.cuda.synchronize()
-            case = (M, K, N, use_bias, programs, row_major, dtype, roles)
+            case = (M, K, N, use_bias, programs, row_major, dtype, roles, sliced)
             assert rel_err(c, reference(a, b, bias)) < TOL[dtype], case
             assert torch.isnan(wide[:, N:]).all(), case
 

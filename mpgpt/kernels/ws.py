@@ -29,6 +29,10 @@ schedule ourselves:
   tiles in turn, so that one's epilogue, the bias's load among it, runs while the other's MMAs
   keep the tensor cores busy (CUTLASS calls this schedule "ping-pong"). Where the one-partition
   kernel paid about 0.6 us a tile for the bias, this pays next to nothing.
+* for an output at most four tiles across (N = 768), bias or not, the **sliced store** instead
+  (`sliced_store`): one partition, the tile stored in three 128 x 64 slices through a single
+  staging buffer, which leaves room in shared memory for a fifth load stage. That stage took
+  these products from 0.94x to 0.96-0.97x of cuBLAS on an H100, more than two partitions did.
 
 Measured on the H200 (CUDA-graph replay; benchmarks/NOTES-kernels.md): 24.7 us against
 cuBLAS's 25.0 at 12288 x 768 x 768 (the TMA kernel: 30-31 us), 92.1 against 90.9 at
@@ -96,10 +100,13 @@ else:
 
 # The one configuration (on the H200, 4 stages beat 3 at each of the three shapes timed both ways).
 BLOCK_M, BLOCK_N, EXTRA_N, BLOCK_K, STAGES, GROUP_M, NUM_WARPS = 128, 128, 64, 64, 4, 8, 8
-# launch_split's units write their fp32 products from registers, without C's staging buffers, so a
-# deeper ring fits in shared memory there: SPLIT_STAGES for both its tiles, 128 x 192 and, where
-# split_tile picks it, 128 x 160 (NARROW_EXTRA_N, a 32-wide second accumulator). See split_tile.
-NARROW_EXTRA_N, SPLIT_STAGES = 32, 5
+# Four stages of 40 KiB and C's two staging buffers (48 KiB) fill the 227 KiB of shared memory a
+# block may have. Without the 128 x 128 staging buffer, a fifth stage fits: DEEP_STAGES, for
+# launch_split's units (they write their fp32 products from registers, on 128 x 192 tiles or, where
+# split_tile picks it, 128 x 160: NARROW_EXTRA_N, a 32-wide second accumulator) and for the sliced
+# store (see sliced_store; SLICED_STORE False turns it off).
+NARROW_EXTRA_N, DEEP_STAGES = 32, 5
+SLICED_STORE = True
 
 if WS_IMPORT_ERROR is None and not env.interpreting():
 
@@ -199,11 +206,23 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         return hz + hz * t
 
     @gluon.jit
+    def _store_slice(c2_desc, c2_smem, x, off_m, off_n):
+        """x (BLOCK_M, EXTRA_N), rounded once, through the staging buffer c2_smem to C at (off_m,
+        off_n) by TMA, after the buffer's previous store has read it. Each barrier of the
+        partition's warps lets one thread's wait or copy speak for all of them."""
+        tma.store_wait(pendings=0)  # (the thread that issued it) the previous copy has read the buffer
+        _sync_partition()
+        c2_smem.store(x.to(c2_desc.dtype))
+        fence_async_shared()        # the stores above, visible to the TMA unit
+        _sync_partition()           # every warp has stored its rows before one thread issues the copy
+        tma_store(c2_desc, [off_m, off_n], c2_smem)
+
+    @gluon.jit
     def _mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_free, turn, c_desc, c2_desc,
                        c_smem, c2_smem, bias_ptr, part_ptr, M, N, K,
                        HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr, A_T: gl.constexpr, B_ROW_MAJOR: gl.constexpr,
                        GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr, ROLE: gl.constexpr,
-                       ROLES: gl.constexpr, num_warps: gl.constexpr):
+                       ROLES: gl.constexpr, SLICED: gl.constexpr, num_warps: gl.constexpr):
         """The MMAs and the epilogue of every tile (or, split along K, every work unit) of this
         program; with ROLES = 2 (EPILOGUE 0, unsplit), of every other tile: two such partitions,
         one warpgroup each, take the program's tiles in turn (ROLE 0 the first, third, ...), so
@@ -232,8 +251,10 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout)     # (BLOCK_M, BLOCK_N)
         acc2 = gl.zeros((BLOCK_M, EXTRA_N), gl.float32, layout2)   # (BLOCK_M, EXTRA_N): the next columns
         num_tiles = num_pid_m * num_pid_n
-        # Taking turns assumes whole tiles (each tile's first step is i * k_tiles) and the plain epilogue.
+        # Taking turns assumes whole tiles (each tile's first step is i * k_tiles) and the plain epilogue;
+        # the sliced store, the plain epilogue of one partition.
         gl.static_assert(ROLES == 1 or (EPILOGUE == 0 and SPLIT_K == 1))
+        gl.static_assert(not SLICED or (ROLES == 1 and EPILOGUE == 0))
         pid = gl.program_id(0)
         step = gl.num_programs(0)
         c = 0  # steps consumed so far
@@ -316,6 +337,16 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                 tma.store_wait(pendings=0)  # (each thread that issued a copy) the buffers have been read ...
                 _sync_partition()           # ... and every warp knows it
                 mbarrier.arrive(c_free)     # ... so the other partition may fill them
+            elif SLICED:
+                # Only c2_smem (BLOCK_M x EXTRA_N) stages the tile, so c_smem is never allocated
+                # and the ring has a fifth stage (sliced_store): the first BLOCK_N columns, split in
+                # two halves in registers, then the last EXTRA_N, each slice written once the
+                # previous slice's TMA store has read the buffer.
+                gl.static_assert(BLOCK_N == 2 * EXTRA_N)
+                y_lo, y_hi = gl.split(gl.permute(gl.reshape(y, [BLOCK_M, 2, EXTRA_N]), (0, 2, 1)))
+                _store_slice(c2_desc, c2_smem, y_lo, off_m, off_n)
+                _store_slice(c2_desc, c2_smem, y_hi, off_m, off_n + EXTRA_N)
+                _store_slice(c2_desc, c2_smem, y2, off_m, off_n + BLOCK_N)
             else:
                 # The previous tile's TMA stores must have read c_smem / c2_smem before we overwrite them.
                 tma.store_wait(pendings=0)
@@ -488,6 +519,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         SPLIT_K: gl.constexpr,              # work units per tile, each a slice of K (only with EPILOGUE 3)
         STAGES: gl.constexpr,               # shared-memory stages in the load ring
         ROLES: gl.constexpr,                # MMA partitions taking the tiles in turn: 1, or 2 (EPILOGUE 0, SPLIT_K 1)
+        SLICED: gl.constexpr,               # EPILOGUE 0, ROLES 1: the tile stored in slices through c2_smem alone
         num_warps: gl.constexpr,            # of each MMA partition (the producer adds one warp)
     ):
         # The descriptors are built on the host (ws_launch) and passed as kernel parameters, so
@@ -529,7 +561,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_free, turn, c_desc,
                                   c2_desc, c_smem, c2_smem, bias_ptr, part_ptr, M, N, K, False, EPILOGUE, A_T,
-                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 1, num_warps)),
+                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 1, SLICED, num_warps)),
                 (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, A_T, B_ROW_MAJOR,
                              GROUP_M, SPLIT_K, STAGES)),
                 (_gelu_grad_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_smem, z2_smem, z_ready,
@@ -539,7 +571,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_free, turn, c_desc,
                                   c2_desc, c_smem, c2_smem, bias_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T,
-                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 1, num_warps)),
+                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 1, SLICED, num_warps)),
                 (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, A_T, B_ROW_MAJOR,
                              GROUP_M, SPLIT_K, STAGES)),
                 (_gelu_partition, (c_desc, c2_desc, z_desc, z2_desc, c_smem, c2_smem, z_ready, z_empty, M, N,
@@ -550,10 +582,10 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_free, turn, c_desc,
                                   c2_desc, c_smem, c2_smem, bias_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T,
-                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 2, num_warps)),
+                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 2, SLICED, num_warps)),
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_free, turn, c_desc,
                                   c2_desc, c_smem, c2_smem, bias_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T,
-                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 1, 2, num_warps)),
+                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 1, 2, SLICED, num_warps)),
                 (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, A_T, B_ROW_MAJOR,
                              GROUP_M, SPLIT_K, STAGES)),
             ], [num_warps, 1], [232, 40])  # 232 registers: a 128 x 192 fp32 accumulator is 192 a thread
@@ -561,7 +593,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, z_ready, z_empty, c_free, turn, c_desc,
                                   c2_desc, c_smem, c2_smem, bias_ptr, part_ptr, M, N, K, HAS_BIAS, EPILOGUE, A_T,
-                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 1, num_warps)),
+                                  B_ROW_MAJOR, GROUP_M, SPLIT_K, STAGES, 0, 1, SLICED, num_warps)),
                 (_producer, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K, A_T, B_ROW_MAJOR,
                              GROUP_M, SPLIT_K, STAGES)),
             ], [1], [40])
@@ -664,7 +696,12 @@ def group_rows(N: int, extra_n: int = EXTRA_N) -> int:
     12288 x 768 x 3072 took 88.1 us at 4 against 88.8-89.0 at 8, 12288 x 768 x 768 30.8-30.9
     against 31.2-31.3, dX of c_fc 86.0 against 86.9-87.0; the output layer (N = 50304) was much
     slower at 4 (1631-1633 against 1538-1545 us), and the other wide outputs within the noise."""
-    return 4 if -(-N // (BLOCK_N + extra_n)) <= 4 else GROUP_M
+    return 4 if _narrow_output(N, extra_n) else GROUP_M
+
+
+def _narrow_output(N: int, extra_n: int = EXTRA_N) -> bool:
+    """An output at most four tiles (BLOCK_N + extra_n wide) across: GPT-2's N = 768 products."""
+    return -(-N // (BLOCK_N + extra_n)) <= 4
 
 
 # The cost model behind split_for and split_preferred, in microseconds, fitted to replayed graphs on
@@ -731,7 +768,7 @@ def split_tile(M: int, N: int, K: int, split_k: int, num_sms: int) -> int:
         attn.c_proj, 5 sl.   39.3-39.5    41.1-41.2     38.5-38.6     50.5-50.6     50.6-50.7
         c_attn, 3 slices     67.6-67.7    91.8-91.9     87.8-88.0    108.4-108.5   111.3
 
-    Five stages beat four at both widths (SPLIT_STAGES). With slices the narrow tiles lose: 768 is
+    Five stages beat four at both widths (DEEP_STAGES). With slices the narrow tiles lose: 768 is
     4.8 of them across, so attn.c_proj's 5 slices make 150 units, two waves of 132."""
     if split_k == 1 and split_cost(M, N, K, 1, num_sms, NARROW_EXTRA_N) < split_cost(M, N, K, 1, num_sms):
         return NARROW_EXTRA_N
@@ -854,7 +891,34 @@ STAGES_GELU_BACKWARD = 3
 PINGPONG_ROLES = 2
 
 
-def mma_roles(epilogue: int, split_k: int, has_bias: bool) -> int:
+def sliced_store(epilogue: int, split_k: int, N: int) -> bool:
+    """Whether a launch stores its tiles in slices (SLICED): a plain product (EPILOGUE 0), unsplit,
+    whose output is at most four tiles across (GPT-2's N = 768 products). Each tile then leaves
+    in three 128 x 64 slices through one staging buffer instead of two buffers at once, which
+    frees 32 KiB of shared memory for a fifth load stage (DEEP_STAGES), on one MMA partition.
+    Measured on an H100 as replayed graphs, 12288 tokens, µs (three timings in one run; the
+    default until then, four stages and both buffers, with two partitions where there is a bias;
+    the sliced store with four stages; with five):
+
+        product, output N       cuBLAS      default       sliced (4)    sliced (5)
+        attn.c_proj, 768        28.4-28.5   30.2          30.4-30.6     29.5
+        mlp.c_proj, 768         82.0-82.1   86.8-86.9     87.8-88.1     84.2-84.4
+        mlp.c_proj + bias       83.4-83.6   87.0-87.2     88.0-88.4     84.6-85.2
+        dX attn.c_proj, 768     29.1-29.3   30.0          30.3-30.4     29.4
+        dX c_fc, 768            85.0-85.4   85.4-85.9     86.4-86.7     84.0-84.2
+        c_attn, 2304            67.8-69.8   68.4-69.0     73.0-73.3     72.5-73.0
+        c_attn + bias           73.2-73.4   70.2-70.7     75.9-76.4     75.0-75.8
+        c_fc, 3072              91.1-91.3   90.6-90.8     95.9-96.2     96.0
+        dX mlp.c_proj, 3072     93.9-94.1   90.5-90.8     95.8-96.1     96.1-96.2
+
+    The slices wait for one another: about 0.4-0.5 us a tile (the wide outputs, 9 to 12 tiles a
+    program, lose 4.6-5.3 us with four stages). The fifth stage took 0.9-3.6 us off the narrow
+    outputs (3 tiles a program) and nothing off the wide ones; why it helps only there was not
+    profiled. SLICED_STORE = False turns it off."""
+    return SLICED_STORE and epilogue == 0 and split_k == 1 and _narrow_output(N)
+
+
+def mma_roles(epilogue: int, split_k: int, has_bias: bool, N: int) -> int:
     """ROLES for a launch: two MMA partitions taking the tiles in turn (PINGPONG_ROLES) for a plain
     product (EPILOGUE 0) of whole tiles with a bias, else one. Measured on an H100 as replayed
     graphs, 12288 tokens, µs (one partition / two; with a bias three timings in one run, without
@@ -871,7 +935,10 @@ def mma_roles(epilogue: int, split_k: int, has_bias: bool) -> int:
     one partition of two warpgroups is faster: both issue each step's MMAs, where in turns one
     warpgroup issues them alone. (attn.c_proj, three short tiles a program, loses 1 % with two;
     kept for one rule.) The GELU epilogues (1, 2) have a partition of their own for their
-    epilogue work, and split units (EPILOGUE 3) write fp32 planes: one partition for those."""
+    epilogue work, and split units (EPILOGUE 3) write fp32 planes: one partition for those, and
+    for the sliced store (sliced_store, N = 768 outputs), which measured faster than two."""
+    if sliced_store(epilogue, split_k, N):
+        return 1
     return PINGPONG_ROLES if epilogue == 0 and split_k == 1 and has_bias else 1
 
 
@@ -895,14 +962,15 @@ def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, par
                   zip(ws_tensors(a, b, c, z if epilogue else None, row_major_b, a_t),
                       _layouts7(a.dtype, row_major_b, a_t, extra_n)))
     check_split(split_k, K)
-    stages = STAGES_GELU_BACKWARD if epilogue == 2 else SPLIT_STAGES if epilogue == 3 else STAGES
+    stages = STAGES_GELU_BACKWARD if epilogue == 2 else DEEP_STAGES if epilogue == 3 or sliced else STAGES
     units = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N + extra_n) * split_k
     grid = (min(num_programs or balanced_programs(units, num_sms), units),)
     args = (*descs, bias if bias is not None else c, c, part if part is not None else c, M, N, K)
     has_bias = part is not None if epilogue == 2 else bias is not None
-    roles = mma_roles(epilogue, split_k, bias is not None)
+    sliced = sliced_store(epilogue, split_k, N)
+    roles = mma_roles(epilogue, split_k, bias is not None, N)
     kwargs = dict(HAS_BIAS=has_bias, EPILOGUE=epilogue, A_T=a_t, B_ROW_MAJOR=row_major_b,
-                  GROUP_M=group_rows(N, extra_n), SPLIT_K=split_k, STAGES=stages, ROLES=roles,
+                  GROUP_M=group_rows(N, extra_n), SPLIT_K=split_k, STAGES=stages, ROLES=roles, SLICED=sliced,
                   num_warps=NUM_WARPS // roles)
     compiled = matmul_ws_kernel[grid](*args, **kwargs)
     return matmul_ws_kernel, compiled, grid, args, kwargs
