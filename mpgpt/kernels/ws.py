@@ -948,9 +948,9 @@ def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, par
     or with epilogue 1 (z = a @ b + bias, c = gelu(z)), or 2 (c = (a @ b) * gelu'(z), and with
     ``part`` the column sums of that, see gelu_backward_fused), or 3 (``part`` (split_k, M, N)
     fp32 receives the product of each slice of K; c is then only a 16-bit stand-in for the
-    unused C descriptors, see launch_split; there extra_n may be NARROW_EXTRA_N). Returns (the jitted kernel, the compiled kernel,
-    grid, args, kwargs): what launch.compiled_launch needs to repeat it, with the N_TENSORS
-    tensor arguments first."""
+    unused C descriptors, see launch_split; there extra_n may be NARROW_EXTRA_N). Returns (the
+    jitted kernel, the compiled kernel, grid, args, kwargs): what launch.compiled_launch needs to
+    repeat it, with the N_TENSORS tensor arguments first."""
     if extra_n != EXTRA_N and epilogue != 3:
         raise ValueError(f"extra_n={extra_n} (narrow tiles) is for launch_split's products only; leave it {EXTRA_N}")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -962,12 +962,12 @@ def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, par
                   zip(ws_tensors(a, b, c, z if epilogue else None, row_major_b, a_t),
                       _layouts7(a.dtype, row_major_b, a_t, extra_n)))
     check_split(split_k, K)
+    sliced = sliced_store(epilogue, split_k, N)
     stages = STAGES_GELU_BACKWARD if epilogue == 2 else DEEP_STAGES if epilogue == 3 or sliced else STAGES
     units = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N + extra_n) * split_k
     grid = (min(num_programs or balanced_programs(units, num_sms), units),)
     args = (*descs, bias if bias is not None else c, c, part if part is not None else c, M, N, K)
     has_bias = part is not None if epilogue == 2 else bias is not None
-    sliced = sliced_store(epilogue, split_k, N)
     roles = mma_roles(epilogue, split_k, bias is not None, N)
     kwargs = dict(HAS_BIAS=has_bias, EPILOGUE=epilogue, A_T=a_t, B_ROW_MAJOR=row_major_b,
                   GROUP_M=group_rows(N, extra_n), SPLIT_K=split_k, STAGES=stages, ROLES=roles, SLICED=sliced,
