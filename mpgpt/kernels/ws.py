@@ -208,8 +208,9 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
     @gluon.jit
     def _store_slice(c2_desc, c2_smem, x, off_m, off_n):
         """x (BLOCK_M, EXTRA_N), rounded once, through the staging buffer c2_smem to C at (off_m,
-        off_n) by TMA, after the buffer's previous store has read it. Each barrier of the
-        partition's warps lets one thread's wait or copy speak for all of them."""
+        off_n) by TMA, after the buffer's previous store has read it. One thread issues each copy,
+        and a bulk-copy wait covers only the copies its own thread issued; so each barrier of the
+        partition's warps lets that one thread's wait, or its copy, speak for all of them."""
         tma.store_wait(pendings=0)  # (the thread that issued it) the previous copy has read the buffer
         _sync_partition()
         c2_smem.store(x.to(c2_desc.dtype))
@@ -338,10 +339,11 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
                 _sync_partition()           # ... and every warp knows it
                 mbarrier.arrive(c_free)     # ... so the other partition may fill them
             elif SLICED:
-                # Only c2_smem (BLOCK_M x EXTRA_N) stages the tile, so c_smem is never allocated
-                # and the ring has a fifth stage (sliced_store): the first BLOCK_N columns, split in
-                # two halves in registers, then the last EXTRA_N, each slice written once the
-                # previous slice's TMA store has read the buffer.
+                # Only c2_smem (BLOCK_M x EXTRA_N) stages the tile. c_smem is then never used, and
+                # the compiler drops unused allocations, which leaves room for a fifth stage
+                # (sliced_store; the ahead-of-time test checks the size). The first BLOCK_N columns
+                # go out as two halves split in registers, then the last EXTRA_N; each slice is
+                # written once the previous slice's TMA store has read the buffer.
                 gl.static_assert(BLOCK_N == 2 * EXTRA_N)
                 y_lo, y_hi = gl.split(gl.permute(gl.reshape(y, [BLOCK_M, 2, EXTRA_N]), (0, 2, 1)))
                 _store_slice(c2_desc, c2_smem, y_lo, off_m, off_n)
