@@ -866,6 +866,51 @@ def test_two_mma_partitions_only_for_plain_products_with_a_bias(monkeypatch):
     assert ws.mma_roles(0, 1, True, 2304) == 1
 
 
+def test_ws_launch_passes_the_schedule_its_rules_choose(monkeypatch):
+    """ws_launch's host side, with the kernel replaced by a recorder (it runs only on sm_90): the
+    sliced store with the deeper ring on one partition for an N = 768 output, bias or not; two
+    partitions and four stages for a wide output with a bias; the weight gradient's units with
+    five stages, on 128 x 160 tiles when asked (the descriptors' boxes set the tile); programs
+    balanced over the units. Descriptors of CPU tensors: only shapes and strides matter here."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                calls.append((grid, args, kwargs))
+                return "compiled"
+            return run
+
+    monkeypatch.setattr(ws, "matmul_ws_kernel", Recorder(), raising=False)
+    bf = torch.bfloat16
+    x, bias = torch.empty(1024, 256, dtype=bf), torch.empty(768, dtype=bf)
+    for with_bias in (False, True):
+        ws.ws_launch(x, torch.empty(768, 256, dtype=bf).t(), torch.empty(1024, 768, dtype=bf),
+                     bias if with_bias else None, 132)
+        grid, args, kw = calls[-1]
+        assert kw["SLICED"] and kw["STAGES"] == ws.DEEP_STAGES and kw["ROLES"] == 1, kw
+        assert kw["num_warps"] == ws.NUM_WARPS and kw["GROUP_M"] == 4 and kw["HAS_BIAS"] == with_bias, kw
+        assert grid == (32,)  # 8 x 4 tiles of 128 x 192, fewer than 132 multiprocessors: one each
+    ws.ws_launch(x, torch.empty(2304, 256, dtype=bf).t(), torch.empty(1024, 2304, dtype=bf),
+                 torch.empty(2304, dtype=bf), 132)
+    grid, args, kw = calls[-1]
+    assert not kw["SLICED"] and kw["STAGES"] == ws.STAGES and kw["ROLES"] == ws.PINGPONG_ROLES, kw
+    assert kw["num_warps"] == ws.NUM_WARPS // ws.PINGPONG_ROLES and grid == (96,), (grid, kw)
+    g, xs = torch.empty(4096, 768, dtype=bf), torch.empty(4096, 3072, dtype=bf)  # dW = g.t() @ xs
+    for extra_n in (ws.EXTRA_N, ws.NARROW_EXTRA_N):
+        part = torch.empty(1, 768, 3072)
+        ws.ws_launch(g.t(), xs, g, None, 132, epilogue=3, part=part, split_k=1, extra_n=extra_n)  # g: C's stand-in
+        grid, args, kw = calls[-1]
+        assert kw["A_T"] and kw["B_ROW_MAJOR"] and kw["STAGES"] == ws.DEEP_STAGES and not kw["SLICED"], kw
+        assert [d.block_shape for d in args[:3]] == [[ws.BLOCK_K, ws.BLOCK_M], [ws.BLOCK_K, ws.BLOCK_N],
+                                                     [ws.BLOCK_K, extra_n]]
+        assert grid == (6 * -(-3072 // (ws.BLOCK_N + extra_n)),)  # 96 wide tiles or 120 narrow ones
+    ws.ws_launch(g.t(), xs, g, None, 132, epilogue=3, part=torch.empty(4, 768, 3072), split_k=4)
+    assert calls[-1][0] == (128,) and calls[-1][2]["SPLIT_K"] == 4  # 384 units: three waves of 128 programs
+    assert len(calls) == 6
+
+
 def test_sliced_store_only_for_plain_unsplit_narrow_outputs(monkeypatch):
     """The sliced store (one staging buffer, a fifth load stage) where it measured faster: plain
     products whose output is at most four 192-wide tiles across (GPT-2's N = 768: attn.c_proj,
