@@ -146,6 +146,137 @@ def test_compiled_launch_passes_arguments_in_parameter_order():
     assert compiled_launch(jit_fn, None, (1,), ("x", "y", 1, 1), {"BLOCK": 1}, 2, get_stream=str) is None
 
 
+# A stand-in for triton 3.6's CUDA launcher (triton/backends/nvidia/driver.py), the layout
+# launch.descriptor_maps reads: CudaLauncher.launch is wrap_handle_tensordesc's `inner`, closing over
+# the C launcher, the descriptor parameters' positions and their metadata; make_tensordesc_arg turns
+# one descriptor into the C launcher's arguments (the encoded map, then shape and strides).
+_FAKE_DRIVER = "fake_triton_driver"
+_ENCODED = []  # the base address of every descriptor the fake encodes
+
+
+def _fake_make_tensordesc_arg(arg, metadata):
+    _ENCODED.append(arg.base.data_ptr())
+    return [("map", arg.base.data_ptr(), tuple(arg.shape), tuple(arg.strides), metadata["swizzle"]),
+            *arg.shape, *arg.strides]
+
+
+def _fake_wrap(launcher, tensordesc_indices, tensordesc_meta):
+    def inner(*args):  # triton 3.6's: the 13 leading arguments, then each descriptor expanded in place
+        final_args = list(args[:13])
+        tensordesc_idx = 0
+        for i, arg in enumerate(args[13:]):
+            if i in tensordesc_indices:
+                final_args.extend(_fake_make_tensordesc_arg(arg, tensordesc_meta[tensordesc_idx]))
+                tensordesc_idx += 1
+            else:
+                final_args.append(arg)
+        return launcher(*final_args)
+    return inner
+
+
+class _FakeCudaLauncher:
+    def __init__(self, launcher, indices, metas, scratch=0):
+        self.launch = _fake_wrap(launcher, indices, metas)
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):  # triton 3.6's CudaLauncher.__call__
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                    None, None, *args)
+
+
+_FakeCudaLauncher.__module__ = _FAKE_DRIVER
+
+
+def test_descriptor_maps_pass_what_tritons_own_launcher_passes(monkeypatch):
+    """CompiledLaunch.with_descriptors: the C launcher must receive exactly what Triton's own path
+    hands it (here a stand-in with triton 3.6's layout), and each descriptor is encoded once per
+    (address, shape, strides): again for new tensors or another view at the same address, not
+    again for tensors seen before. Where the launcher does not have the expected layout (scratch
+    memory, other closure variables, a module without the 13 leading arguments), the ordinary call
+    runs instead, with the same arguments."""
+    import types
+    from mpgpt.kernels.launch import HostDescriptor, compiled_launch, descriptor_maps
+    fake = types.ModuleType(_FAKE_DRIVER)
+    fake._BASE_ARGS_FORMAT_LEN, fake.make_tensordesc_arg = 13, _fake_make_tensordesc_arg
+    monkeypatch.setitem(sys.modules, _FAKE_DRIVER, fake)
+    calls = []
+    metas = [{"swizzle": 128}, {"swizzle": 64}]
+    jit_fn = SimpleNamespace(arg_names=["a_desc", "c_desc", "bias_ptr", "n", "BLOCK"])
+
+    def remembered(scratch=0):
+        compiled = SimpleNamespace(run=_FakeCudaLauncher(lambda *args: calls.append(args), {0, 1}, metas, scratch),
+                                   function="function", packed_metadata="metadata")
+        return compiled_launch(jit_fn, compiled, (3,), ("a", "c", "bias", 64), {"BLOCK": 16}, n_tensors=3,
+                               get_stream=lambda device: f"stream{device}")
+
+    a, c, bias = torch.randn(8, 4), torch.randn(4, 8), torch.randn(8)
+    lean = remembered()
+    _ENCODED.clear()
+    lean.with_descriptors(0, (a, c), bias)
+    lean(0, HostDescriptor(a), HostDescriptor(c), bias)  # Triton's own path
+    assert len(calls) == 2 and calls[0] == calls[1]
+    assert calls[0][:13] == (3, 1, 1, "stream0", "function", False, True, None, None, "metadata", None, None, None)
+    assert calls[0][13:] == (("map", a.data_ptr(), (8, 4), (4, 1), 128), 8, 4, 4, 1,
+                             ("map", c.data_ptr(), (4, 8), (8, 1), 64), 4, 8, 8, 1, bias, 64, 16)
+    assert len(_ENCODED) == 4  # two by with_descriptors, two by the ordinary call
+    lean.with_descriptors(0, (a, c), bias)
+    assert len(_ENCODED) == 4 and calls[-1] == calls[0]  # seen before: no encoding
+    a2 = torch.randn(8, 4)
+    lean.with_descriptors(0, (a2, c), bias)
+    assert _ENCODED[4:] == [a2.data_ptr(), c.data_ptr()] and calls[-1][13] == ("map", a2.data_ptr(), (8, 4), (4, 1), 128)
+    at = a.view(4, 8)  # the same address, another shape and strides: a map of its own
+    lean.with_descriptors(0, (at, c), bias)
+    assert calls[-1][13] == ("map", a.data_ptr(), (4, 8), (8, 1), 128)
+    monkeypatch.setattr(launch, "MAX_DESCRIPTOR_MAPS", 2)  # bounded: starts again when full
+    lean.with_descriptors(0, (torch.randn(8, 4), c), bias)
+    assert len(lean._maps.maps) == 1
+
+    # Other layouts: the ordinary call, the same arguments.
+    assert descriptor_maps(remembered(scratch=64).kernel, 2) is None
+    assert descriptor_maps(remembered().kernel, 3) is None  # not the kernel's descriptor count
+    monkeypatch.setattr(fake, "_BASE_ARGS_FORMAT_LEN", 14)
+    assert descriptor_maps(remembered().kernel, 2) is None
+    monkeypatch.setattr(fake, "_BASE_ARGS_FORMAT_LEN", 13)
+    other = remembered()
+    other.kernel.run.launch = lambda *args: calls.append(("wrapper",) + args)  # closes over nothing
+    assert descriptor_maps(other.kernel, 2) is None
+    n = len(calls)
+    other.with_descriptors(0, (a, c), bias)
+    assert other._maps is None and calls[n][0] == "wrapper" and isinstance(calls[n][14], HostDescriptor)
+
+
+def test_checked_2d_skips_checks_only_for_metadata_it_accepted(monkeypatch):
+    """matmul.checked_2d remembers the metadata of arguments _check accepted, and skips _check only
+    for an equal key: other shapes, dtypes, options or a non-tensor still get _check's error; a
+    3-D input comes back as the same 2-D view; a copy (a non-viewable input) is not remembered."""
+    calls = []
+    real = mm._check
+    monkeypatch.setattr(mm, "_check", lambda *args, **kw: calls.append(1) or real(*args, **kw))
+    monkeypatch.setattr(mm, "_ACCEPTED", set())
+    a, b, bias = rand(2, 3, 32, device="cpu"), rand(16, 32, device="cpu").t(), rand(16, device="cpu")
+    first = mm.checked_2d(a, b, bias, "gelu")
+    second = mm.checked_2d(rand(2, 3, 32, device="cpu"), b, bias, "gelu")
+    assert len(calls) == 1 and first[1] == second[1] == (2, 3, 16) and second[0].shape == (6, 32)
+    assert second[0]._base is not None  # a view, not a copy
+    with pytest.raises(ValueError, match="activation"):
+        mm.checked_2d(a, b, bias, "tanh")
+    with pytest.raises(ValueError, match="inner dimensions"):
+        mm.checked_2d(rand(6, 16, device="cpu"), b, bias, "gelu")
+    with pytest.raises(TypeError, match="same dtype"):
+        mm.checked_2d(a, b.float(), bias, "gelu")
+    mm.checked_2d(a, b, None, None, split_k=1)
+    with pytest.raises(ValueError, match="split_k"):
+        mm.checked_2d(a, b, None, None, split_k=True)  # True == 1, but not a split_k
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        mm.checked_2d([[1.0]], b, bias, "gelu")
+    strided = rand(3, 2, 32, device="cpu").transpose(0, 1)  # (2, 3, 32) that no view makes 2-D
+    n = len(calls)
+    mm.checked_2d(strided, b, None, None)
+    mm.checked_2d(strided, b, None, None)
+    assert len(calls) == n + 2  # copied to become 2-D: checked every time
+
+
 def test_tma_store_needs_aligned_row_major_outputs():
     """The TMA kernel stores through descriptors only where one can address the output:
     row-major, 16-byte-aligned base and row pitch, for c and (if given) z."""
@@ -1478,6 +1609,41 @@ def test_gpu_lean_launch_repeats_the_ordinary_launch(monkeypatch):
         torch.cuda.synchronize()
         assert torch.equal(lean, plain), case
         assert rel_err(lean, reference(a, b, bias, act)) < 1e-2, case  # bf16 out: one rounding
+
+
+@pytest.mark.sm80
+def test_gpu_descriptor_maps_repeat_the_ordinary_launch(monkeypatch):
+    """Repeated launches of the warp-specialised kernel hand Triton's C launcher descriptors
+    encoded once per address (launch.DescriptorMaps, written against triton 3.6's launcher). Two
+    sets of fresh operands and outputs, used in turn three times (so from the second round on every
+    encoding comes from the cache), and a third set at new addresses: each result must equal the
+    ordinary path's bit for bit and be right against float64. On triton 3.6 the launch must really
+    have gone through DescriptorMaps, with one entry per set of addresses."""
+    if not _ws_available():
+        pytest.skip("the warp-specialised kernel needs sm_90")
+    from mpgpt.kernels.launch import DescriptorMaps
+    monkeypatch.delenv("MPGPT_LEAN_LAUNCH", raising=False)
+    launch.CACHE.clear()
+    sets = [(rand(2048, 768), rand(768, 768).t(), rand(768), torch.empty(2048, 768, dtype=torch.bfloat16,
+                                                                           device="cuda")) for _ in range(3)]
+    plain = []
+    monkeypatch.setenv("MPGPT_LEAN_LAUNCH", "0")
+    for a, b, bias, _ in sets:
+        plain.append(matmul(a, b, bias))
+    monkeypatch.delenv("MPGPT_LEAN_LAUNCH")
+    for a, b, bias, c in sets[:2] * 3 + sets[2:]:
+        c.fill_(float("nan"))
+        matmul(a, b, bias, out=c)
+        torch.cuda.synchronize()
+        i = next(i for i, s in enumerate(sets) if s[3] is c)
+        assert torch.equal(c, plain[i]), i
+        assert rel_err(c, reference(a, b, bias)) < 1e-2, i  # bf16 out: one rounding
+    (p, replay), = launch.CACHE.values()
+    assert p.kernel == "ws"
+    cells = dict(zip(replay.__code__.co_freevars, (cell.cell_contents for cell in replay.__closure__)))
+    maps = cells["remembered"]._maps
+    if env.triton.__version__.startswith("3.6"):
+        assert isinstance(maps, DescriptorMaps) and len(maps.maps) == 3
 
 
 @pytest.mark.sm80

@@ -355,8 +355,8 @@ def _replay(launch, uses_tma: bool):
 
 
 def _replay_ws(launch):
-    def replay(a, b, c, sa, sb, out_scale, amax):   # the Gluon kernel: three host-built descriptors, two scales
-        launch(a.device.index, *fp8_ws.lean_descriptors(a, b, c), sa, sb)
+    def replay(a, b, c, sa, sb, out_scale, amax):   # the Gluon kernel: three descriptors' tensors, two scales
+        launch.with_descriptors(a.device.index, (a, b, c), sa, sb)
     return replay
 
 

@@ -48,7 +48,7 @@ import torch
 
 from . import env
 from .env import TRITON_IMPORT_ERROR, triton
-from .ws import _aligned, _HostDesc
+from .ws import _aligned
 
 WS_FP8_IMPORT_ERROR = TRITON_IMPORT_ERROR
 try:
@@ -246,8 +246,3 @@ def fp8_ws_launch(a, b, c, scale_a, scale_b, rowwise: bool, promote: bool = True
     kwargs = dict(SPLIT=SPLIT, ROWWISE=rowwise, PROMOTE=promote, GROUP_M=GROUP_M, STAGES=stages, num_warps=4)
     compiled = fp8_ws_kernel[grid](*args, **kwargs)
     return fp8_ws_kernel, compiled, grid, args, kwargs
-
-
-def lean_descriptors(a, b, c):
-    """The three descriptor arguments for a repeated launch (ws._HostDesc)."""
-    return _HostDesc(a), _HostDesc(b), _HostDesc(c)

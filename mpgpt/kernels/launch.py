@@ -25,6 +25,9 @@ What lives here:
   function that repeats the launch with new tensors). The kernel modules build the replay
   functions (`grouped.launch`, `tma.launch`, `ws.launch` return one);
 * `compiled_launch` / `CompiledLaunch`: the remembered launch of one compiled kernel;
+* `HostDescriptor` and `CompiledLaunch.with_descriptors`: the same for a kernel whose first
+  parameters are TMA descriptors built on the host (the Gluon kernels), keeping each
+  descriptor's encoding for the addresses it has seen (see `DescriptorMaps`);
 * the two switches, read at every call (so setting them in a running process takes effect):
   `lean_launch_enabled()` (MPGPT_LEAN_LAUNCH) and `autotune_enabled()` (MPGPT_AUTOTUNE=0 launches
   one fixed configuration per kernel instead of autotuning: fast tests).
@@ -32,6 +35,7 @@ What lives here:
 from __future__ import annotations
 
 import os
+import sys
 
 from . import env
 from .env import triton
@@ -79,19 +83,101 @@ def signature(a, b, c, bias, z, activation, kernel, split_k) -> tuple:
             activation, kernel, split_k, autotune_enabled())
 
 
+class HostDescriptor:
+    """What Triton's launcher reads from a host-side TMA descriptor argument: base tensor, shape,
+    strides, padding (the box and the swizzle come from the compiled kernel). The lean launch path
+    builds these instead of TensorDescriptor objects, whose checks the first call already passed
+    for the same shapes, strides and alignments."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, base):
+        self.base, self.shape, self.strides, self.padding = base, base.shape, base.stride(), "zero"
+
+
+# How many address combinations one DescriptorMaps keeps before it starts again: a training loop
+# reuses a handful (the caching allocator hands a step the same blocks as the step before).
+MAX_DESCRIPTOR_MAPS = 64
+
+
+class DescriptorMaps:
+    """A host-descriptor kernel's launch without Triton's per-launch descriptor work.
+
+    Before each launch of a kernel with host-side TMA descriptors, Triton's launcher turns every
+    descriptor into the 128-byte CUtensorMap the GPU reads (cuTensorMapEncodeTiled, from the base
+    address, shape, strides, box and swizzle), in Python, one descriptor at a time: for the
+    seven descriptors of ws.py's kernel, about 14 us of the 25 us its replay took on an H100
+    machine's host (benchmarks/NOTES-kernels.md, section 7). A CUtensorMap is a pure function of
+    those inputs, and for one remembered launch only the addresses, shapes and strides can change
+    (box and swizzle are compiled in). So this keeps the encoded arguments per combination of
+    (address, shape, strides) of the descriptors' tensors and hands them to Triton's C launcher
+    directly. The encoding itself is still Triton's own function (`encode`), run on a miss.
+
+    Built from Triton's objects by `descriptor_maps`, which returns None unless they have the
+    layout this was written against (triton 3.6's CudaLauncher: a wrapper closing over the C
+    launcher and the descriptors' metadata, 13 leading launcher arguments, no scratch memory);
+    the caller then keeps the ordinary path."""
+
+    __slots__ = ("launcher", "cooperative", "pdl", "encode", "metas", "maps")
+
+    def __init__(self, launcher, cooperative, pdl, encode, metas):
+        self.launcher = launcher        # the C launcher Triton compiled for this kernel
+        self.cooperative, self.pdl = cooperative, pdl
+        self.encode = encode            # triton's make_tensordesc_arg(descriptor, meta) -> its launcher arguments
+        self.metas = metas              # one metadata dict per descriptor parameter (swizzle, box, dtype)
+        self.maps: dict = {}            # ((address, shape, strides) per descriptor) -> launcher arguments
+
+    def arguments(self, tensors) -> tuple:
+        """The launcher arguments for descriptors over `tensors` (one per descriptor parameter)."""
+        key = tuple((t.data_ptr(), t.shape, t.stride()) for t in tensors)
+        found = self.maps.get(key)
+        if found is None:
+            if len(self.maps) >= MAX_DESCRIPTOR_MAPS:
+                self.maps.clear()
+            found = tuple(x for t, meta in zip(tensors, self.metas) for x in self.encode(HostDescriptor(t), meta))
+            self.maps[key] = found
+        return found
+
+
+def descriptor_maps(kernel, n_descriptors: int):
+    """A DescriptorMaps for a compiled kernel whose first `n_descriptors` parameters are host-side
+    TMA descriptors, or None where Triton's launcher does not look as expected."""
+    try:
+        run = kernel.run
+    except Exception:
+        return None
+    wrapper = getattr(run, "launch", None)
+    code, cells = getattr(wrapper, "__code__", None), getattr(wrapper, "__closure__", None)
+    if code is None or cells is None or set(code.co_freevars) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
+        return None
+    closed = dict(zip(code.co_freevars, (cell.cell_contents for cell in cells)))
+    module = sys.modules.get(type(run).__module__)
+    encode = getattr(module, "make_tensordesc_arg", None)
+    metas = closed["tensordesc_meta"]
+    if encode is None or getattr(module, "_BASE_ARGS_FORMAT_LEN", None) != 13:
+        return None
+    if closed["tensordesc_indices"] != set(range(n_descriptors)) or not metas or len(metas) != n_descriptors:
+        return None
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    return DescriptorMaps(closed["launcher"], run.launch_cooperative_grid, run.launch_pdl, encode, tuple(metas))
+
+
 class CompiledLaunch:
     """One remembered launch: compiled kernel + grid + the non-tensor arguments, in order.
 
     Calling it with the tensor arguments (the kernel's first parameters) launches the kernel on
-    the current CUDA stream."""
+    the current CUDA stream. `with_descriptors` launches a kernel whose first parameters are
+    host-side TMA descriptors from the tensors behind them."""
 
-    __slots__ = ("kernel", "grid", "tail", "_stream")
+    __slots__ = ("kernel", "grid", "tail", "_stream", "_maps")
 
     def __init__(self, kernel, grid, tail, get_stream):
         self.kernel = kernel            # triton CompiledKernel (its binary is already loaded)
         self.grid = grid                # (x, y, z) program counts
         self.tail = tail                # every argument after the tensors, constexprs included
         self._stream = get_stream       # device index -> raw CUDA stream (torch's current one)
+        self._maps = False              # DescriptorMaps, None where it cannot be used, False: not looked for yet
 
     def __call__(self, device_index: int, *tensors):
         k = self.kernel
@@ -100,6 +186,24 @@ class CompiledLaunch:
         # metadata, launch metadata and enter/exit hooks (none: lean_launch_enabled checked), args.
         k.run(gx, gy, gz, self._stream(device_index), k.function, k.packed_metadata, None, None, None,
               *tensors, *self.tail)
+
+    def with_descriptors(self, device_index: int, descriptor_tensors, *tensors):
+        """Launch with a host-side TMA descriptor over each of `descriptor_tensors` (the kernel's
+        first parameters), then `tensors`: through DescriptorMaps where Triton allows it, else
+        the ordinary call with HostDescriptor objects. Both pass the C launcher the same values."""
+        maps = self._maps
+        if maps is False:
+            maps = self._maps = descriptor_maps(self.kernel, len(descriptor_tensors))
+        if maps is None:
+            self(device_index, *(HostDescriptor(t) for t in descriptor_tensors), *tensors)
+            return
+        k = self.kernel
+        gx, gy, gz = self.grid
+        # What triton 3.6's CudaLauncher.__call__ and its descriptor wrapper pass on: grid, stream,
+        # function, cooperative and PDL flags, no scratch buffers, packed metadata, no launch
+        # metadata or hooks, then each descriptor as its encoded arguments, then the rest.
+        maps.launcher(gx, gy, gz, self._stream(device_index), k.function, maps.cooperative, maps.pdl, None, None,
+                      k.packed_metadata, None, None, None, *maps.arguments(descriptor_tensors), *tensors, *self.tail)
 
 
 def compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors, get_stream=None):

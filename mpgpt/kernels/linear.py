@@ -38,7 +38,7 @@ from torch import nn
 from mpgpt.fused_loss import first_derivative_only
 
 from . import ops
-from .matmul import ACTIVATIONS, _check
+from .matmul import ACTIVATIONS, checked_2d
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # The matmul kernels (matmul.KERNELS) of the two gradient products: "auto", or a kernel to use
@@ -90,7 +90,7 @@ def _make_function(device_type: str, amp_decorators: bool = True):
             x_lp = x.to(dtype)
             w_lp = weight.to(dtype)
             b_lp = bias.to(dtype) if bias is not None else None
-            x2, _, b_lp, _, out_shape = _check(x_lp, w_lp.t(), b_lp, activation)  # x2: (M, in)
+            x2, out_shape = checked_2d(x_lp, w_lp.t(), b_lp, activation)  # x2: (M, in)
             # GELU's backward needs Z = x W^T + b. We keep Z (written by the same epilogue, one
             # extra (M, out) store) instead of recomputing it: recomputing costs a whole extra GEMM
             # in backward (+50 % backward FLOPs), while keeping it costs M*out*2 bytes, the same

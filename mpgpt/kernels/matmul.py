@@ -119,11 +119,58 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     that names the GPU; fp16 inputs are passed to Triton there but this project has not tested
     that path (Triton's README lists sm_80+ as supported).
     """
-    a2, b, bias, c, out_shape = _check(a, b, bias, activation, out, kernel, split_k)
     if out is None:
-        c = torch.empty(c.shape, dtype=a.dtype, device=a.device)
+        a2, out_shape = checked_2d(a, b, bias, activation, kernel, split_k)
+        c = torch.empty((a2.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+        _matmul_2d(a2, b, c, bias=bias, activation=activation, kernel=kernel, split_k=split_k)
+        return c.view(out_shape)
+    a2, b, bias, c, _ = _check(a, b, bias, activation, out, kernel, split_k)
     _matmul_2d(a2, b, c, bias=bias, activation=activation, kernel=kernel, split_k=split_k)
-    return out if out is not None else c.view(out_shape)
+    return out
+
+
+# Keys (accepted_key) of argument combinations that _check accepted. Host time: on an H100
+# machine a repeated matmul() call at attn.c_proj's shape cost 58 us of host time, of which
+# _matmul_2d took 32 and the output's allocation 5: most of the rest was _check
+# (NOTES-kernels.md, section 7). Making the key takes about a third of what _check takes.
+_ACCEPTED: set = set()
+MAX_ACCEPTED = 4096
+
+
+def accepted_key(a, b, bias, activation, kernel, split_k):
+    """Everything `_check` reads from its arguments (without `out`), as a hashable key: a later
+    call with an equal key would pass _check again, so it can skip it. None where no key can be
+    made (an argument that is not a tensor, an unhashable option): such calls always go through
+    _check, which says what is wrong."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and (bias is None or isinstance(bias, torch.Tensor))):
+        return None
+    key = (env.interpreting(), a.device, a.dtype, a.shape, a.stride(), b.device, b.dtype, b.shape,
+           None if bias is None else (bias.device, bias.dtype, bias.shape), activation, kernel, split_k, type(split_k))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def checked_2d(a, b, bias, activation, kernel="auto", split_k=None):
+    """`_check` for a call without `out`: returns (a as (M, K), the output's shape), or raises
+    what _check raises. Where an earlier call with the same accepted_key passed, its checks are
+    skipped; a key is remembered only where a's 2-D form is a itself or a view of it (a copy
+    would be made again each time, so nothing is skipped for it)."""
+    if torch.compiler.is_compiling():  # traced once per graph: nothing to save, and no side effects for Dynamo
+        a2, _, _, _, out_shape = _check(a, b, bias, activation, None, kernel, split_k)
+        return a2, out_shape
+    key = accepted_key(a, b, bias, activation, kernel, split_k)
+    if key is not None and key in _ACCEPTED:
+        return (a if a.dim() == 2 else a.view(-1, b.shape[0])), (*a.shape[:-1], b.shape[1])
+    a2, _, _, _, out_shape = _check(a, b, bias, activation, None, kernel, split_k)
+    if key is not None and (a2 is a or a2._base is not None):
+        if len(_ACCEPTED) >= MAX_ACCEPTED:
+            _ACCEPTED.clear()
+        _ACCEPTED.add(key)
+    return a2, out_shape
 
 
 def plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,

@@ -850,18 +850,6 @@ def _layouts(dtype, row_major_b=False, a_t=False, extra_n=EXTRA_N):
     return _LAYOUTS[key]
 
 
-class _HostDesc:
-    """What Triton's launcher reads from a TMA descriptor argument (base, shape, strides,
-    padding; the box and swizzle come from the compiled kernel). The lean launch path builds
-    these instead of TensorDescriptor objects, whose checks the first call already passed for
-    the same shapes, strides and alignments."""
-
-    __slots__ = ("base", "shape", "strides", "padding")
-
-    def __init__(self, base):
-        self.base, self.shape, self.strides, self.padding = base, base.shape, base.stride(), "zero"
-
-
 def ws_tensors(a, b, c, z=None, row_major_b=None, a_t=False):
     """The seven descriptor operands of a launch, in kernel order: A's memory (a, or a.t() for
     a transposed A), B's memory twice (w = b.t() for the forward layout, b itself when
@@ -870,11 +858,6 @@ def ws_tensors(a, b, c, z=None, row_major_b=None, a_t=False):
     bm = b if (b_row_major(b) if row_major_b is None else row_major_b) else b.t()
     z = c if z is None else z
     return a.t() if a_t else a, bm, bm, c, c, z, z
-
-
-def lean_descriptors(a, b, c, z=None, row_major_b=None, a_t=False):
-    """The seven descriptor arguments for a repeated launch (see _HostDesc)."""
-    return tuple(_HostDesc(t) for t in ws_tensors(a, b, c, z, row_major_b, a_t))
 
 
 def _layouts7(dtype, row_major_b=False, a_t=False, extra_n=EXTRA_N):
@@ -981,15 +964,17 @@ def ws_launch(a, b, c, bias, num_sms, num_programs=None, epilogue=0, z=None, par
 def launch(a, b, c, bias=None):
     """c = a @ b (+ bias) on this kernel (the caller, matmul.plan, checked ws_eligible). Returns
     a replay function `(a, b, c, bias, z)` for new tensors of the same signature (launch.py),
-    which passes `lean_descriptors` instead of building TensorDescriptors again, or None."""
+    which passes the tensors behind the descriptors (launch.CompiledLaunch.with_descriptors) instead
+    of building TensorDescriptors again, or None."""
     jit_fn, compiled, grid, args, kwargs = ws_launch(a, b, c, bias, env.num_sms(a.device))
     remembered = compiled_launch(jit_fn, compiled, grid, args, kwargs, n_tensors=N_TENSORS)
     if remembered is None:
         return None
     row_major_b = kwargs["B_ROW_MAJOR"]  # the same for every call of this signature (strides are in it)
 
-    def replay(a, b, c, bias, z):  # seven host-built descriptors, the bias, then c as C's pointer and the unused table
-        remembered(a.device.index, *lean_descriptors(a, b, c, None, row_major_b), bias if bias is not None else c, c, c)
+    def replay(a, b, c, bias, z):  # the seven descriptors' tensors, the bias, then c as C's pointer and the unused table
+        remembered.with_descriptors(a.device.index, ws_tensors(a, b, c, None, row_major_b), bias if bias is not None else c,
+                                    c, c)
     return replay
 
 
@@ -1034,7 +1019,9 @@ def launch_split(a, b, c, split_k, narrow=None):
 
     def replay(a, b, c, bias, z):
         part = planes(c)
-        remembered(a.device.index, *lean_descriptors(a, b, a.t(), None, row_major_b, True), a.t(), a.t(), part)
+        stand_in = a.t()
+        remembered.with_descriptors(a.device.index, ws_tensors(a, b, stand_in, None, row_major_b, True), stand_in,
+                                    stand_in, part)
         if not direct:
             _add_planes(part, c)
     return replay
@@ -1078,7 +1065,8 @@ def gelu_forward(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
            None if bias is None else (bias.dtype, bias.stride(), bias.data_ptr() % 16))
     remembered = _GELU_LAUNCHES.get(key) if lean_launch_enabled() else None  # the switches, read at every call
     if remembered is not None:
-        remembered(a.device.index, *lean_descriptors(a, w.t(), y, z, False), bias if bias is not None else y, y, y)
+        remembered.with_descriptors(a.device.index, ws_tensors(a, w.t(), y, z, False), bias if bias is not None else y,
+                                    y, y)
         return y, z
     jit_fn, compiled, grid, args, kwargs = ws_launch(a, w.t(), y, bias, env.num_sms(a.device), epilogue=1, z=z)
     if lean_launch_enabled():
@@ -1128,7 +1116,7 @@ def gelu_backward_fused(g: torch.Tensor, w: torch.Tensor, z: torch.Tensor, with_
            with_bias, num_programs)
     remembered = _GELU_GRAD_LAUNCHES.get(key) if lean_launch_enabled() else None
     if remembered is not None:
-        remembered(g.device.index, *lean_descriptors(g, w, dz, z, True), dz, dz, part if with_bias else dz)
+        remembered.with_descriptors(g.device.index, ws_tensors(g, w, dz, z, True), dz, dz, part if with_bias else dz)
     else:
         jit_fn, compiled, grid, args, kwargs = ws_launch(g, w, dz, None, env.num_sms(g.device), num_programs,
                                                          epilogue=2, z=z, part=part)
