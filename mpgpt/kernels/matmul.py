@@ -132,7 +132,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 # Keys (accepted_key) of argument combinations that _check accepted. Host time: on an H100
 # machine a repeated matmul() call at attn.c_proj's shape cost 58 us of host time, of which
 # _matmul_2d took 32 and the output's allocation 5: most of the rest was _check
-# (NOTES-kernels.md, section 7). Making the key takes about a third of what _check takes.
+# (NOTES-kernels.md, section 7). The key takes a fraction of that.
 _ACCEPTED: set = set()
 MAX_ACCEPTED = 4096
 
