@@ -793,6 +793,35 @@ def test_triton_linear_compiles_in_one_graph(activation, use_bias, grad_kernel, 
         assert torch.equal(eager, compiled)
 
 
+@pytest.mark.parametrize("activation,use_bias", [("gelu", True), (None, False)])
+def test_triton_linear_lowers_through_inductor(activation, use_bias):
+    """torch.compile's default backend, Inductor, lowers each custom operator to a call of
+    FallbackKernel.create(kernel, *args, **kwargs): an operator argument named `kernel` made that
+    fail ("got multiple values for argument 'kernel'"), so the model's Triton rows did not compile.
+    Compiled by Inductor, TritonLinear must run and match eager: the custom operators run the same
+    kernels, and only the fp32 square-and-sum around them may be fused and summed in another
+    order (768 terms of similar size: a relative 1e-5 is far above fp32's rounding of the sum)."""
+    torch.manual_seed(0)
+    layer = TritonLinear(64, 96, bias=use_bias, activation=activation).to(DEVICE)
+    x = torch.randn(8, 64, device=DEVICE, requires_grad=True)
+
+    def loss_fn(x):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            return layer(x).float().square().sum()
+
+    torch._dynamo.reset()
+    results = []
+    for fn in (loss_fn, torch.compile(loss_fn, fullgraph=True)):
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        loss = fn(x)
+        loss.backward()
+        results.append([loss.detach(), x.grad] + [p.grad for p in layer.parameters()])
+    torch._dynamo.reset()
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
 def test_triton_linear_bf16_parameters_without_autocast():
     layer = TritonLinear(24, 20, activation="gelu").to(DEVICE, torch.bfloat16)
     x = rand(7, 24).requires_grad_(True)

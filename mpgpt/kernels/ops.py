@@ -12,7 +12,7 @@ running anything. At run time the box runs our Python as usual, including the le
 
 The operators (namespace `mpgpt`):
     linear_forward(x2, w, bias, activation, keep_z) -> (y, z)   y = act(x2 @ w.T + bias), z its input
-    matmul(a, b, out_dtype, kernel) -> a @ b                     the two gradient GEMMs (kernel: preferred)
+    matmul(a, b, out_dtype, choice) -> a @ b                     the two gradient GEMMs (choice: the kernel preferred)
     gelu_backward(grad, z, with_bias) -> (dz, db)                dz = grad * gelu'(z); with_bias: db = dz
                                                                  summed over rows, in the same pass
 
@@ -42,23 +42,25 @@ def linear_forward_impl(x2: Tensor, w: Tensor, bias: Optional[Tensor], activatio
     return y, z
 
 
-def matmul_impl(a: Tensor, b: Tensor, out_dtype: torch.dtype, kernel: str = "auto") -> Tensor:
+def matmul_impl(a: Tensor, b: Tensor, out_dtype: torch.dtype, choice: str = "auto") -> Tensor:
     """a @ b, a: (M, K), b: (K, N), any strides -> a new (M, N) tensor of out_dtype, on the
-    matmul kernel `kernel` names (matmul.KERNELS) where that kernel can run this product, on
+    matmul kernel `choice` names (matmul.KERNELS) where that kernel can run this product, on
     "auto"'s choice, with a warning that says why, where it cannot. (Decided here, on real
     tensors: while torch.compile traces the caller, the operands are fake and have no addresses
-    to check.)"""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    to check.) The parameter is not called `kernel`: Inductor hands a custom operator's arguments
+    to a function whose first parameter has that name, and lowering then fails ("got multiple
+    values for argument 'kernel'")."""
+    if choice not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {choice!r}")
     out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-    if kernel != "auto":
+    if choice != "auto":
         try:
-            _plan_2d(a, b, out, None, None, None, kernel, None)
+            _plan_2d(a, b, out, None, None, None, choice, None)
         except ValueError as why:
-            warnings.warn(f"kernel={kernel!r} cannot run this {tuple(a.shape)} @ {tuple(b.shape)} product "
+            warnings.warn(f"kernel={choice!r} cannot run this {tuple(a.shape)} @ {tuple(b.shape)} product "
                           f"({why}); running kernel='auto' instead", stacklevel=2)
-            kernel = "auto"
-    _matmul_2d(a, b, out, kernel=kernel)
+            choice = "auto"
+    _matmul_2d(a, b, out, kernel=choice)
     return out
 
 
@@ -84,7 +86,7 @@ def _(x2, w, bias, activation, keep_z):
 
 
 @matmul.register_fake
-def _(a, b, out_dtype, kernel="auto"):
+def _(a, b, out_dtype, choice="auto"):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
