@@ -228,13 +228,18 @@ def test_descriptor_maps_pass_what_tritons_own_launcher_passes(monkeypatch):
     at = a.view(4, 8)  # the same address, another shape and strides: a map of its own
     lean.with_descriptors(0, (at, c), bias)
     assert calls[-1][13] == ("map", a.data_ptr(), (4, 8), (8, 1), 128)
-    monkeypatch.setattr(launch, "MAX_DESCRIPTOR_MAPS", 2)  # bounded: starts again when full
-    lean.with_descriptors(0, (torch.randn(8, 4), c), bias)
-    assert len(lean._maps.maps) == 1
+    monkeypatch.setattr(launch, "MAX_DESCRIPTOR_MAPS", 3)  # bounded: the oldest entry goes first
+    a3 = torch.randn(8, 4)
+    lean.with_descriptors(0, (a3, c), bias)
+    def key(*ts):
+        return tuple((t.data_ptr(), t.shape, t.stride()) for t in ts)
+    assert list(lean._maps.maps) == [key(a2, c), key(at, c), key(a3, c)]  # (a, c), the first, went
 
     # Other layouts: the ordinary call, the same arguments.
     assert descriptor_maps(remembered(scratch=64).kernel, 2) is None
     assert descriptor_maps(remembered().kernel, 3) is None  # not the kernel's descriptor count
+    no_meta = SimpleNamespace(run=_FakeCudaLauncher(lambda *args: None, {0, 1}, [None, None]))
+    assert descriptor_maps(no_meta, 2) is None  # no metadata: Triton passes the descriptor's parts
     monkeypatch.setattr(fake, "_BASE_ARGS_FORMAT_LEN", 14)
     assert descriptor_maps(remembered().kernel, 2) is None
     monkeypatch.setattr(fake, "_BASE_ARGS_FORMAT_LEN", 13)
@@ -249,16 +254,22 @@ def test_descriptor_maps_pass_what_tritons_own_launcher_passes(monkeypatch):
 def test_checked_2d_skips_checks_only_for_metadata_it_accepted(monkeypatch):
     """matmul.checked_2d remembers the metadata of arguments _check accepted, and skips _check only
     for an equal key: other shapes, dtypes, options or a non-tensor still get _check's error; a
-    3-D input comes back as the same 2-D view; a copy (a non-viewable input) is not remembered."""
+    3-D input comes back as a 2-D view of itself; a copy (a non-viewable input) is not remembered;
+    another GPU generation makes another key. The key is only made where compiled kernels run on
+    a CUDA tensor: here that gate and the capability are patched, the checks run as on a CPU."""
+    assert mm.accepted_key(rand(4, 8, device="cpu"), rand(8, 4, device="cpu"), None, None, "auto", None) is None
     calls = []
     real = mm._check
     monkeypatch.setattr(mm, "_check", lambda *args, **kw: calls.append(1) or real(*args, **kw))
     monkeypatch.setattr(mm, "_ACCEPTED", set())
+    monkeypatch.setattr(mm, "_checks_can_be_skipped", lambda a: True)
+    monkeypatch.setattr(env, "capability", lambda device=None: (9, 0))
     a, b, bias = rand(2, 3, 32, device="cpu"), rand(16, 32, device="cpu").t(), rand(16, device="cpu")
     first = mm.checked_2d(a, b, bias, "gelu")
-    second = mm.checked_2d(rand(2, 3, 32, device="cpu"), b, bias, "gelu")
+    fresh = rand(2, 3, 32, device="cpu")
+    second = mm.checked_2d(fresh, b, bias, "gelu")
     assert len(calls) == 1 and first[1] == second[1] == (2, 3, 16) and second[0].shape == (6, 32)
-    assert second[0]._base is not None  # a view, not a copy
+    assert second[0].data_ptr() == fresh.data_ptr() and second[0]._base is fresh  # a view of the new input
     with pytest.raises(ValueError, match="activation"):
         mm.checked_2d(a, b, bias, "tanh")
     with pytest.raises(ValueError, match="inner dimensions"):
@@ -275,6 +286,9 @@ def test_checked_2d_skips_checks_only_for_metadata_it_accepted(monkeypatch):
     mm.checked_2d(strided, b, None, None)
     mm.checked_2d(strided, b, None, None)
     assert len(calls) == n + 2  # copied to become 2-D: checked every time
+    key = mm.accepted_key(a, b, bias, "gelu", "auto", None)
+    monkeypatch.setattr(env, "capability", lambda device=None: (7, 5))  # bf16 is refused below sm_80
+    assert mm.accepted_key(a, b, bias, "gelu", "auto", None) != key
 
 
 def test_tma_store_needs_aligned_row_major_outputs():
@@ -1647,7 +1661,8 @@ def test_gpu_descriptor_maps_repeat_the_ordinary_launch(monkeypatch):
     sets of fresh operands and outputs, used in turn three times (so from the second round on every
     encoding comes from the cache), and a third set at new addresses: each result must equal the
     ordinary path's bit for bit and be right against float64. On triton 3.6 the launch must really
-    have gone through DescriptorMaps, with one entry per set of addresses."""
+    have gone through DescriptorMaps, with one entry per set of addresses; on another triton the
+    launches fall back to the ordinary call, which this then checks the same way."""
     if not _ws_available():
         pytest.skip("the warp-specialised kernel needs sm_90")
     from mpgpt.kernels.launch import DescriptorMaps

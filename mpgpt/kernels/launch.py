@@ -95,7 +95,7 @@ class HostDescriptor:
         self.base, self.shape, self.strides, self.padding = base, base.shape, base.stride(), "zero"
 
 
-# How many address combinations one DescriptorMaps keeps before it starts again: a training loop
+# How many address combinations one DescriptorMaps keeps (the oldest goes first): a training loop
 # reuses a handful (the caching allocator hands a step the same blocks as the step before).
 MAX_DESCRIPTOR_MAPS = 64
 
@@ -133,7 +133,7 @@ class DescriptorMaps:
         found = self.maps.get(key)
         if found is None:
             if len(self.maps) >= MAX_DESCRIPTOR_MAPS:
-                self.maps.clear()
+                del self.maps[next(iter(self.maps))]  # the oldest entry (dicts keep insertion order)
             found = tuple(x for t, meta in zip(tensors, self.metas) for x in self.encode(HostDescriptor(t), meta))
             self.maps[key] = found
         return found
@@ -157,6 +157,8 @@ def descriptor_maps(kernel, n_descriptors: int):
     if encode is None or getattr(module, "_BASE_ARGS_FORMAT_LEN", None) != 13:
         return None
     if closed["tensordesc_indices"] != set(range(n_descriptors)) or not metas or len(metas) != n_descriptors:
+        return None
+    if any(meta is None for meta in metas):  # no metadata: Triton passes the descriptor's parts, not an encoding
         return None
     if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
         return None

@@ -131,21 +131,31 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
 # Keys (accepted_key) of argument combinations that _check accepted. Host time: on an H100
 # machine a repeated matmul() call at attn.c_proj's shape cost 58 us of host time, of which
-# _matmul_2d took 32 and the output's allocation 5: most of the rest was _check
-# (NOTES-kernels.md, section 7). The key takes a fraction of that.
+# _matmul_2d took 32 and the output's allocation 5; the rest was _check, its meta-device stand-in
+# and the output's view (NOTES-kernels.md, section 7). The key takes a fraction of _check's time.
 _ACCEPTED: set = set()
 MAX_ACCEPTED = 4096
 
 
+def _checks_can_be_skipped(a) -> bool:
+    """Whether checked_2d may remember accepted metadata for a call on `a`: Triton imported, a CUDA
+    tensor, compiled kernels (not the interpreter). See accepted_key."""
+    return env.TRITON_IMPORT_ERROR is None and a.is_cuda and not env.interpreting()
+
+
 def accepted_key(a, b, bias, activation, kernel, split_k):
-    """Everything `_check` reads from its arguments (without `out`), as a hashable key: a later
-    call with an equal key would pass _check again, so it can skip it. None where no key can be
-    made (an argument that is not a tensor, an unhashable option): such calls always go through
-    _check, which says what is wrong."""
+    """Everything `_check` reads (without `out`), as a hashable key: the arguments' metadata and,
+    from the process, whether Triton imported and the GPU's compute capability. A later call with
+    an equal key would pass _check again, so it can skip it. None where no key is made: an
+    argument that is not a tensor, an unhashable option, a tensor off the GPU, or Triton's CPU
+    interpreter (whose checks look at the NumPy version, and where the checks' microseconds are
+    nothing beside an interpreted kernel). Such calls always go through _check."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
             and (bias is None or isinstance(bias, torch.Tensor))):
         return None
-    key = (env.interpreting(), a.device, a.dtype, a.shape, a.stride(), b.device, b.dtype, b.shape,
+    if not _checks_can_be_skipped(a):
+        return None
+    key = (env.capability(a.device), a.device, a.dtype, a.shape, a.stride(), b.device, b.dtype, b.shape,
            None if bias is None else (bias.device, bias.dtype, bias.shape), activation, kernel, split_k, type(split_k))
     try:
         hash(key)

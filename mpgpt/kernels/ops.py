@@ -51,7 +51,7 @@ def matmul_impl(a: Tensor, b: Tensor, out_dtype: torch.dtype, choice: str = "aut
     to a function whose first parameter has that name, and lowering then fails ("got multiple
     values for argument 'kernel'")."""
     if choice not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {choice!r}")
+        raise ValueError(f"the gradient products' kernel must be one of {KERNELS}, got {choice!r}")
     out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
     if choice != "auto":
         try:
