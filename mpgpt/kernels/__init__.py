@@ -20,6 +20,7 @@ The package, one file per idea:
     fp8_ws.py    chapter 9's promoted fp8 GEMM for Hopper, warp-specialised (Gluon)
     fp8_cast.py  chapter 9's fp8 cast: amax, scale and saturating cast in two launches (Fp8Linear's casts)
     linear.py    TritonLinear; ops.py: its kernels as torch.compile-traceable custom operators
+    library.py   how those operators are registered: the way that costs the host least per call
     mlp.py       the transformer's MLP with GELU fused into its first product (the ws kernel's epilogue)
     heads.py     the attention's dq, dk, dv merged into c_attn's gradient, its bias gradient in the same pass
     qkv.py       c_attn and the head split, with heads.py's pass in the backward

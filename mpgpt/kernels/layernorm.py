@@ -71,7 +71,7 @@ from torch import Tensor
 
 from mpgpt.fused_loss import first_derivative_only
 
-from . import env, partials
+from . import env, library, partials
 from .env import tl, triton
 from .linear import _compute_dtype, _op
 
@@ -327,13 +327,12 @@ def ln_backward_impl(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: 
     return dx, torch.stack(sums).to(dwb_dtype)
 
 
-ln_backward_op = torch.library.custom_op("mpgpt::layer_norm_backward", mutates_args=())(ln_backward_impl)
-
-
-@ln_backward_op.register_fake
-def _(dy, x, mean, rstd, weight, dres, sum_dx, dwb_dtype):
+def _ln_backward_fake(dy, x, mean, rstd, weight, dres, sum_dx, dwb_dtype):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             x.new_empty((3 if sum_dx else 2, x.shape[1]), dtype=dwb_dtype))
+
+
+ln_backward_op = library.operator("layer_norm_backward", ln_backward_impl, _ln_backward_fake)
 
 
 class _ResidualLayerNormFunction(torch.autograd.Function):

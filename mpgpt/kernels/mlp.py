@@ -54,7 +54,7 @@ from torch import Tensor
 
 from mpgpt.fused_loss import first_derivative_only
 
-from . import env, gelu, ops, ws
+from . import env, gelu, library, ops, ws
 from .linear import _compute_dtype, _op
 from .matmul import KERNELS
 
@@ -81,13 +81,12 @@ def gelu_linear_impl(x2: Tensor, w: Tensor, bias: Optional[Tensor]) -> tuple[Ten
     return F.gelu(z, approximate="tanh"), z
 
 
-gelu_linear = torch.library.custom_op("mpgpt::gelu_linear", mutates_args=())(gelu_linear_impl)
-
-
-@gelu_linear.register_fake
-def _(x2, w, bias):
+def _gelu_linear_fake(x2, w, bias):
     y = x2.new_empty((x2.shape[0], w.shape[0]))
     return y, torch.empty_like(y)
+
+
+gelu_linear = library.operator("gelu_linear", gelu_linear_impl, _gelu_linear_fake)
 
 
 def _triton_backward(t: Tensor) -> bool:
@@ -107,13 +106,12 @@ def gelu_backward_impl(h: Tensor, z: Tensor, with_bias: bool, db_dtype: torch.dt
     return dz, dz.sum(0, dtype=torch.float32).to(db_dtype) if with_bias else h.new_empty(0, dtype=db_dtype)
 
 
-gelu_backward_op = torch.library.custom_op("mpgpt::gelu_backward_bias", mutates_args=())(gelu_backward_impl)
-
-
-@gelu_backward_op.register_fake
-def _(h, z, with_bias, db_dtype):
+def _gelu_backward_fake(h, z, with_bias, db_dtype):
     return torch.empty_like(h, memory_format=torch.contiguous_format), h.new_empty(
         (h.shape[1],) if with_bias else (0,), dtype=db_dtype)
+
+
+gelu_backward_op = library.operator("gelu_backward_bias", gelu_backward_impl, _gelu_backward_fake)
 
 
 def product_gelu_backward_impl(g: Tensor, w: Tensor, z: Tensor, with_bias: bool,
@@ -127,13 +125,12 @@ def product_gelu_backward_impl(g: Tensor, w: Tensor, z: Tensor, with_bias: bool,
     return gelu_backward_impl(g @ w, z, with_bias, db_dtype)
 
 
-product_gelu_backward_op = torch.library.custom_op("mpgpt::product_gelu_backward", mutates_args=())(
-    product_gelu_backward_impl)
-
-
-@product_gelu_backward_op.register_fake
-def _(g, w, z, with_bias, db_dtype):
+def _product_gelu_backward_fake(g, w, z, with_bias, db_dtype):
     return g.new_empty((g.shape[0], w.shape[1])), g.new_empty((w.shape[1],) if with_bias else (0,), dtype=db_dtype)
+
+
+product_gelu_backward_op = library.operator("product_gelu_backward", product_gelu_backward_impl,
+                                            _product_gelu_backward_fake)
 
 
 # Where GELU's backward runs: "pass", after cuBLAS's dH = dOut W_proj, in gelu.py's one pass; or

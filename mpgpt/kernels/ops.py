@@ -1,4 +1,4 @@
-"""TritonLinear's three kernels as PyTorch custom operators, so `torch.compile` can trace models
+"""TritonLinear's three kernels as PyTorch operators, so `torch.compile` can trace models
 that use them (chapter 6, chapter 7's `bf16+compile+triton` row).
 
 Left to itself, Dynamo (torch.compile's tracer) steps *into* a Python function it meets. Inside
@@ -6,9 +6,9 @@ Left to itself, Dynamo (torch.compile's tracer) steps *into* a Python function i
 the Triton interpreter, which it cannot trace at all. So the graph breaks at every layer, or
 compiling fails outright.
 
-A custom operator is a box with a declared signature. Dynamo records one call to it and does not
-look inside. Its "fake" implementation tells the compiler the outputs' shapes and dtypes without
-running anything. At run time the box runs our Python as usual, including the lean launch path.
+An operator is a box with a declared signature (library.py registers it, and says why that
+way). Dynamo records one call to it and does not look inside. Its "fake" implementation tells the
+compiler the outputs' shapes and dtypes without running anything. At run time the box runs our Python as usual, including the lean launch path.
 
 The operators (namespace `mpgpt`):
     linear_forward(x2, w, bias, activation, keep_z) -> (y, z)   y = act(x2 @ w.T + bias), z its input
@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import gelu
+from . import gelu, library
 from .matmul import KERNELS, _matmul_2d, _plan_2d
 
 
@@ -74,23 +74,20 @@ def gelu_backward_impl(grad: Tensor, z: Tensor, with_bias: bool) -> tuple[Tensor
     return gelu.gelu_backward(grad, z), grad.new_empty(0, dtype=torch.float32)
 
 
-linear_forward = torch.library.custom_op("mpgpt::linear_forward", mutates_args=())(linear_forward_impl)
-matmul = torch.library.custom_op("mpgpt::matmul", mutates_args=())(matmul_impl)
-gelu_backward = torch.library.custom_op("mpgpt::gelu_backward", mutates_args=())(gelu_backward_impl)
-
-
-@linear_forward.register_fake
-def _(x2, w, bias, activation, keep_z):
+def _linear_forward_fake(x2, w, bias, activation, keep_z):
     y = x2.new_empty((x2.shape[0], w.shape[0]))
     return y, (torch.empty_like(y) if keep_z else y.new_empty(0))
 
 
-@matmul.register_fake
-def _(a, b, out_dtype, choice="auto"):
+def _matmul_fake(a, b, out_dtype, choice="auto"):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
-@gelu_backward.register_fake
-def _(grad, z, with_bias):
+def _gelu_backward_fake(grad, z, with_bias):
     return (torch.empty_like(grad, memory_format=torch.contiguous_format),
             grad.new_empty((grad.shape[1],) if with_bias else (0,), dtype=torch.float32))
+
+
+linear_forward = library.operator("linear_forward", linear_forward_impl, _linear_forward_fake)
+matmul = library.operator("matmul", matmul_impl, _matmul_fake)
+gelu_backward = library.operator("gelu_backward", gelu_backward_impl, _gelu_backward_fake)

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from mpgpt.fused_loss import first_derivative_only
 
-from . import env, heads
+from . import env, heads, library
 from .linear import _compute_dtype, _op
 
 def _triton_merge(t: Tensor) -> bool:
@@ -46,13 +46,12 @@ def merge_heads_impl(dq: Tensor, dk: Tensor, dv: Tensor, with_bias: bool,
     return d_qkv, db.to(db_dtype)
 
 
-merge_heads_op = torch.library.custom_op("mpgpt::merge_heads_bias", mutates_args=())(merge_heads_impl)
-
-
-@merge_heads_op.register_fake
-def _(dq, dk, dv, with_bias, db_dtype):
+def _merge_heads_fake(dq, dk, dv, with_bias, db_dtype):
     B, nh, T, hs = dq.shape
     return dq.new_empty((B * T, 3 * nh * hs)), dq.new_empty((3 * nh * hs,) if with_bias else (0,), dtype=db_dtype)
+
+
+merge_heads_op = library.operator("merge_heads_bias", merge_heads_impl, _merge_heads_fake)
 
 
 def split_heads(qkv: Tensor, n_head: int) -> tuple[Tensor, Tensor, Tensor]:
