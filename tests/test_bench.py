@@ -41,6 +41,25 @@ def test_a_profiled_row_keeps_the_profilers_table():
     assert "Self CPU" in row["profile"] and "aten::" in row["profile"]
 
 
+def test_matrix_products_are_listed_per_shape_and_per_call():
+    """ops_by_shape keeps the matrix operators (torch's and the package's), divides by the steps and
+    the calls, drops operators without device time, and puts the largest total first."""
+    from types import SimpleNamespace as Event
+
+    averages = [
+        Event(key="aten::mm", input_shapes=[[12288, 768], [768, 3072]], count=24, device_time_total=2400.0),
+        Event(key="mpgpt::matmul", input_shapes=[[3072, 12288], [12288, 768], [], []], count=36,
+              device_time_total=3834.0),
+        Event(key="aten::add", input_shapes=[[4], [4]], count=99, device_time_total=9999.0),  # not a product
+        Event(key="aten::addmm", input_shapes=[[3], [2, 4], [4, 3]], count=3, device_time_total=0.0),  # CPU only
+    ]
+    rows = training.ops_by_shape(averages, steps=3)
+    assert [r["op"] for r in rows] == ["mpgpt::matmul", "aten::mm"]
+    assert rows[0] == {"op": "mpgpt::matmul", "input_shapes": [[3072, 12288], [12288, 768], [], []],
+                       "calls_per_step": 12.0, "device_us_per_call": 106.5, "device_us_per_step": 1278.0}
+    assert rows[1]["calls_per_step"] == 8.0 and rows[1]["device_us_per_call"] == 100.0
+
+
 def test_profile_takes_a_list_and_refuses_an_unknown_name(capsys):
     assert training.main(["--configs", "fp32", "--profile", "fp32,no-such-config"]) == 2
     assert "unknown configuration 'no-such-config'" in capsys.readouterr().err

@@ -428,12 +428,12 @@ def _time_steps(trainer, warmup, steps) -> list[float]:
     return times
 
 
-def _profiled(trainer, steps):
+def _profiled(trainer, steps, record_shapes=False):
     """A torch.profiler run over ``steps`` training steps (CPU ranges, and kernels on a GPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=record_shapes) as prof:
         for _ in range(steps):
             trainer.train_step()
         if trainer.device.type == "cuda":
@@ -444,6 +444,31 @@ def _profiled(trainer, steps):
 def _table(prof, device_type, row_limit=30) -> str:
     sort = "cuda_time_total" if device_type == "cuda" else "cpu_time_total"
     return prof.key_averages().table(sort_by=sort, row_limit=row_limit, max_name_column_width=60)
+
+
+# The matrix products of a step, by operator name: torch's (the cuBLAS rows) and the package's
+# (the rows with Triton layers), so the two rows' products can be compared shape by shape.
+MATRIX_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mpgpt::")
+
+
+def ops_by_shape(averages, steps, prefixes=MATRIX_OPS) -> list[dict]:
+    """The profiler's averages grouped by input shape (``prof.key_averages(group_by_input_shape=True)``)
+    reduced to the operators whose names start with one of ``prefixes``: per operator and input
+    shapes, the calls per step and the device microseconds per call (the time of the kernels it
+    launched), slowest total first. Operators that launched nothing on the device are left out."""
+    rows = []
+    for e in averages:
+        if not e.key.startswith(prefixes):
+            continue
+        device_us = getattr(e, "device_time_total", None)
+        device_us = e.cuda_time_total if device_us is None else device_us
+        if device_us <= 0 or e.count <= 0:
+            continue
+        rows.append({"op": e.key, "input_shapes": [list(s) for s in e.input_shapes],
+                     "calls_per_step": round(e.count / steps, 2),
+                     "device_us_per_call": round(device_us / e.count, 1),
+                     "device_us_per_step": round(device_us / steps, 1)})
+    return sorted(rows, key=lambda r: -r["device_us_per_step"])
 
 
 def host_ms_per_step(trainer, steps=3) -> float:
@@ -472,13 +497,15 @@ def profile_steps(trainer, steps=5, row_limit=30) -> str:
 
 def profile_row(trainer, steps=5) -> dict:
     """What --profile adds to a row: the profiler's table, and on a GPU the timeline summary
-    (mpgpt.bench.timeline: busy, idle, and what the GPU waited for) and the host's time per step."""
+    (mpgpt.bench.timeline: busy, idle, and what the GPU waited for), the host's time per step and
+    the device time of each matrix product by shape (ops_by_shape)."""
     # The host's time first: after a profiler run the launch path can stay slower for a while.
     host = round(host_ms_per_step(trainer), 3) if trainer.device.type == "cuda" else None
-    prof = _profiled(trainer, steps)
+    prof = _profiled(trainer, steps, record_shapes=trainer.device.type == "cuda")
     # 60 rows: enough to name the kernels outside the GEMMs and attention, not only the largest.
     out = {"profile": _table(prof, trainer.device.type, row_limit=60)}
     if trainer.device.type == "cuda":
+        out["matrix_ops_by_shape"] = ops_by_shape(prof.key_averages(group_by_input_shape=True), steps)
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / "trace.json"
             prof.export_chrome_trace(str(path))
@@ -543,6 +570,9 @@ def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10,
             print(row["profile"], flush=True)
             if "timeline" in row:
                 print(f"{name}: timeline {row['timeline']}; host {row['host_ms_per_step']} ms/step", flush=True)
+            for op in row.get("matrix_ops_by_shape", [])[:24]:
+                print(f"{op['device_us_per_step']:9.1f} us/step {op['calls_per_step']:5g} x {op['device_us_per_call']:7.1f} us"
+                      f"  {op['op']:22} {op['input_shapes']}", flush=True)
         rows.append(row)
         print(f"{name:>22}: {ms:8.2f} ms/step  {tps/1e3:8.1f}k tok/s  "
               f"MFU {row['mfu_vs_989T'] if row['mfu_vs_989T'] is not None else '-'}  "
