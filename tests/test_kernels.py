@@ -1489,6 +1489,9 @@ def test_gpu_triton_linear_backward(activation, dx_kernel, dw_kernel, monkeypatc
     real_plan = mm._plan_2d
     monkeypatch.setattr(mm, "_plan_2d", lambda *a: planned.append(real_plan(*a).kernel) or real_plan(*a))
     monkeypatch.setattr(launch, "lean_launch_enabled", lambda: False)  # every launch plans
+    gelu_launches = []
+    real_gelu_forward = ws.gelu_forward
+    monkeypatch.setattr(ws, "gelu_forward", lambda *a: gelu_launches.append(a) or real_gelu_forward(*a))
     lin = nn.Linear(768, 3072, device="cuda")
     layer = TritonLinear.from_linear(lin, activation=activation)
     x = torch.randn(8, 512, 768, device="cuda", requires_grad=True)
@@ -1503,6 +1506,8 @@ def test_gpu_triton_linear_backward(activation, dx_kernel, dw_kernel, monkeypatc
     assert rel_err(lin.bias.grad, db) < 1e-2
     if dx_kernel != "auto" and env.capability(x.device) == (9, 0):
         assert {"ws", "streamk"} <= set(planned), planned  # the gradient products ran where asked
+    # GELU with Z kept for backward: the warp-specialised GELU epilogue wherever it runs (ops.py)
+    assert len(gelu_launches) == (activation == "gelu" and ws.runs_here(x))
 
 
 @pytest.mark.sm80

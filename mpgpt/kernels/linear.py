@@ -2,7 +2,8 @@
 
     y = act(x @ W^T + b)          x: (..., in)   W: (out, in)   b: (out,)   y: (..., out)
 
-Forward is one `matmul` launch with the bias and activation fused into its epilogue. Backward
+Forward is one `matmul` launch with the bias and activation fused into its epilogue (with GELU
+and training on sm_90, the warp-specialised kernel's GELU epilogue, which also writes Z; ops.py). Backward
 runs the two gradient GEMMs through the same kernel, reading transposed operands in place
 (strided views, no copies):
 

@@ -28,14 +28,22 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import gelu, library
+from . import gelu, library, ws
 from .matmul import KERNELS, _matmul_2d, _plan_2d
 
 
 def linear_forward_impl(x2: Tensor, w: Tensor, bias: Optional[Tensor], activation: Optional[str],
                         keep_z: bool) -> tuple[Tensor, Tensor]:
     """y = act(x2 @ w.T + bias) in x2's dtype, x2: (M, in), w: (out, in) -> y: (M, out).
-    With keep_z also z = x2 @ w.T + bias (GELU's backward needs it); otherwise z is empty."""
+    With keep_z also z = x2 @ w.T + bias (GELU's backward needs it); otherwise z is empty.
+
+    GELU with z kept runs on the warp-specialised kernel's GELU epilogue where it can (sm_90,
+    ws.gelu_forward, the fused MLP's forward): `matmul` would take the TMA kernel for an epilogue
+    that writes z, and in the compiled GPT-2 step on an H100 that took 139.2 us per c_fc forward
+    (record train-triton-profile-h100). ws.gelu_forward computes GELU of z as stored (rounded to
+    x2's dtype), as nn.Linear followed by nn.GELU does under autocast."""
+    if activation == "gelu" and keep_z and (bias is None or bias.stride(0) == 1) and ws.gelu_eligible(x2, w):
+        return ws.gelu_forward(x2, w, bias)
     y = torch.empty((x2.shape[0], w.shape[0]), dtype=x2.dtype, device=x2.device)
     z = torch.empty_like(y) if keep_z else y.new_empty(0)
     _matmul_2d(x2, w.t(), y, bias=bias, z=z if keep_z else None, activation=activation)
