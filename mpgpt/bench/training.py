@@ -447,7 +447,8 @@ def _table(prof, device_type, row_limit=30) -> str:
 
 
 # The matrix products of a step, by operator name: torch's (the cuBLAS rows) and the package's
-# (the rows with Triton layers), so the two rows' products can be compared shape by shape.
+# operators (the rows with Triton layers; their other passes, such as GELU's backward, are listed
+# with them), so the two rows' products can be compared shape by shape.
 MATRIX_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mpgpt::")
 
 

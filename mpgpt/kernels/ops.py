@@ -8,7 +8,8 @@ compiling fails outright.
 
 An operator is a box with a declared signature (library.py registers it, and says why that
 way). Dynamo records one call to it and does not look inside. Its "fake" implementation tells the
-compiler the outputs' shapes and dtypes without running anything. At run time the box runs our Python as usual, including the lean launch path.
+compiler the outputs' shapes and dtypes without running anything. At run time the box runs our
+Python as usual, including the lean launch path.
 
 The operators (namespace `mpgpt`):
     linear_forward(x2, w, bias, activation, keep_z) -> (y, z)   y = act(x2 @ w.T + bias), z its input
