@@ -305,7 +305,9 @@ def test_gpu_gelu_epilogue_writes_z_and_gelu_z(use_bias):
     for M, K, N in SHAPES:
         a, w = torch.randn(M, K, device="cuda").bfloat16(), (torch.randn(N, K, device="cuda") / math.sqrt(K)).bfloat16()
         bias = torch.randn(N, device="cuda").bfloat16() if use_bias else None
-        assert ws.gelu_eligible(a, w)
+        assert ws.gelu_eligible(a, w, bias)
+        strided = torch.randn(2 * N, device="cuda").bfloat16()[::2]  # gelu_forward refuses such a bias
+        assert not ws.gelu_eligible(a, w, strided)
         for _ in range(2):  # the first launch, then the lean path's repeat on fresh inputs
             a.copy_(torch.randn_like(a))
             y, z = ws.gelu_forward(a, w, bias)

@@ -75,7 +75,7 @@ def check_weight_grad_kernel(kernel: str) -> str:
 # ----------------------------------------------------------------------------------------------
 def gelu_linear_impl(x2: Tensor, w: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """(gelu(z), z) with z = x2 @ w.T + bias. x2: (M, K), w: (N, K) -> two (M, N) in x2's dtype."""
-    if ws.gelu_eligible(x2, w) and (bias is None or bias.stride(0) == 1):
+    if ws.gelu_eligible(x2, w, bias):
         return ws.gelu_forward(x2, w, bias)
     z = F.linear(x2, w, bias)
     return F.gelu(z, approximate="tanh"), z

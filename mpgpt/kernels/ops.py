@@ -43,7 +43,7 @@ def linear_forward_impl(x2: Tensor, w: Tensor, bias: Optional[Tensor], activatio
     that writes z, and in the compiled GPT-2 step on an H100 that took 139.2 us per c_fc forward
     (record train-triton-profile-h100). ws.gelu_forward computes GELU of z as stored (rounded to
     x2's dtype), as nn.Linear followed by nn.GELU does under autocast."""
-    if activation == "gelu" and keep_z and (bias is None or bias.stride(0) == 1) and ws.gelu_eligible(x2, w):
+    if activation == "gelu" and keep_z and ws.gelu_eligible(x2, w, bias):
         return ws.gelu_forward(x2, w, bias)
     y = torch.empty((x2.shape[0], w.shape[0]), dtype=x2.dtype, device=x2.device)
     z = torch.empty_like(y) if keep_z else y.new_empty(0)

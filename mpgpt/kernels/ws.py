@@ -1033,12 +1033,12 @@ def launch_split(a, b, c, split_k, narrow=None):
 _GELU_LAUNCHES: dict = {}  # call signature -> CompiledLaunch (the lean path, as launch() has)
 
 
-def gelu_eligible(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether gelu_forward(a, w, ...) can run here: this kernel on this GPU (sm_90, compiled),
+def gelu_eligible(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether gelu_forward(a, w, bias) can run here: this kernel on this GPU (sm_90, compiled),
     bf16/fp16 operands of one dtype, a (M, K) and w (N, K) addressable by TMA, rows of the
-    (M, N) outputs a multiple of 16 bytes, no dimension below 16, and M * N below 2^31 (the
-    sizes tested)."""
-    if not runs_here(a):
+    (M, N) outputs a multiple of 16 bytes, no dimension below 16, M * N below 2^31 (the sizes
+    tested), and a bias (if any) with unit stride."""
+    if not runs_here(a) or (bias is not None and bias.stride(0) != 1):
         return False
     if a.dtype not in (torch.bfloat16, torch.float16) or w.dtype != a.dtype or a.dim() != 2 or w.dim() != 2:
         return False
