@@ -700,6 +700,32 @@ def test_triton_linear_autocast_forward_and_backward(activation):
     assert rel_err(lin.bias.grad, db) < 1e-2
 
 
+@pytest.mark.parametrize("activation", [None, "gelu", "relu"])
+def test_triton_linear_backward_ignores_the_autocast_state(activation):
+    """TritonLinear's Function has no custom_fwd/custom_bwd: its backward takes the dtype from
+    what forward saved, so running backward inside an autocast region (on a CPU the engine runs it
+    on the calling thread, in that region) gives the gradients it gives outside, bit for bit."""
+    torch.manual_seed(0)
+    lin = nn.Linear(40, 36).to(DEVICE)
+    layer = TritonLinear.from_linear(lin, activation=activation)
+    x = torch.randn(3, 11, 40, device=DEVICE, requires_grad=True)
+    grad = torch.randn(3, 11, 36, device=DEVICE).to(torch.bfloat16)
+    grads = []
+    for inside in (False, True):
+        x.grad = lin.weight.grad = lin.bias.grad = None
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            y = layer(x)
+            if inside:
+                y.backward(grad)
+        if not inside:
+            y.backward(grad)
+        grads.append([t.grad.clone() for t in (x, lin.weight, lin.bias)])
+    for outside, inside in zip(*grads):
+        assert outside.dtype == inside.dtype == torch.float32
+        assert torch.equal(outside, inside)
+    assert all(g.abs().sum() > 0 for g in grads[0])  # real gradients, not zeros on both sides
+
+
 @pytest.mark.parametrize("bias_grad", [True, False])
 def test_triton_linear_gelu_backward_sums_the_bias_in_its_own_pass(bias_grad, monkeypatch):
     """With GELU and a bias that needs its gradient, dZ and db come from one pass

@@ -18,8 +18,8 @@ runs the two gradient GEMMs through the same kernel, reading transposed operands
 
 Which dtype runs, so the layer is a drop-in for nn.Linear in every setting the course uses:
 * under `torch.autocast(device_type, dtype)`: x, W and b are cast to the autocast dtype, like
-  autocast does for nn.Linear (custom_fwd/custom_bwd with that device_type keep backward under
-  the same autocast state);
+  autocast does for nn.Linear. Backward gets that dtype from the saved weight, not from the
+  autocast state, so it computes the same inside autocast or outside it (see _TritonLinearFunction);
 * bf16/fp16 inputs outside autocast (a model converted with .to(torch.bfloat16)): that dtype;
 * fp32 inputs outside autocast (the fp32 reference model): F.linear in fp32, i.e. exactly
   nn.Linear (+ activation). The Triton kernel has no fp32 path, and silently computing an fp32
@@ -70,83 +70,73 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype | None:
     return x.dtype if x.dtype in _LOW_PRECISION else None
 
 
-def _make_function(device_type: str, amp_decorators: bool = True):
-    """One autograd.Function per device type: custom_fwd/custom_bwd take device_type when decorating.
+class _TritonLinearFunction(torch.autograd.Function):
+    """The layer's forward and backward passes.
 
-    custom_fwd records the autocast state and custom_bwd runs backward under it. Under
-    torch.compile (seen with torch 2.13 on CPU autocast) the pair makes Dynamo fail ("Global autocast state changed
-    while dynamo tracing"), so the compiled path uses a twin without them (amp_decorators=False).
-    The twin computes the same thing: every op in our backward names its dtype explicitly, so
-    backward does not depend on the autocast state."""
-    fwd_deco = torch.amp.custom_fwd(device_type=device_type) if amp_decorators else (lambda f: f)
-    bwd_deco = torch.amp.custom_bwd(device_type=device_type) if amp_decorators else (lambda f: f)
+    PyTorch's recipe for a custom Function under autocast is to decorate forward and backward with
+    torch.amp.custom_fwd/custom_bwd, which run backward inside the autocast state forward saw.
+    This Function does without them. Every operation in backward names its dtype (the weight's
+    low-precision copy saved by forward, the parameters' own dtypes for their gradients), so the
+    autocast state cannot change what it computes. And the pair has costs: custom_bwd builds a
+    torch.autocast context on every backward call (host time, though too little to stand out of
+    the host's run-to-run noise on an H100 machine: benchmarks/NOTES-kernels.md, section 11),
+    and under torch.compile the pair makes Dynamo fail ("Global autocast state changed while
+    dynamo tracing"), which had needed a second copy of this class without it."""
 
-    class _TritonLinearFunction(torch.autograd.Function):
-        @staticmethod
-        @fwd_deco
-        def forward(ctx, x, weight, bias, activation, dtype):
-            # Cast like autocast would (a no-op when already in dtype). Autocast's cast happens
-            # outside the Function, so the casts' own backward would route gradients back; here
-            # we return gradients in the original dtypes ourselves (see backward).
-            x_lp = x.to(dtype)
-            w_lp = weight.to(dtype)
-            b_lp = bias.to(dtype) if bias is not None else None
-            x2, out_shape = checked_2d(x_lp, w_lp.t(), b_lp, activation)  # x2: (M, in)
-            # GELU's backward needs Z = x W^T + b. We keep Z (written by the same epilogue, one
-            # extra (M, out) store) instead of recomputing it: recomputing costs a whole extra GEMM
-            # in backward (+50 % backward FLOPs), while keeping it costs M*out*2 bytes, the same
-            # memory nn.Linear followed by nn.GELU holds (GELU saves its input). ReLU needs no Z:
-            # relu'(z) = (y > 0), read from the output itself.
-            need_z = activation == "gelu" and any(ctx.needs_input_grad[:3])
-            y, z = _op(ops.linear_forward, ops.linear_forward_impl)(x2, w_lp, b_lp, activation, need_z)
-            ctx.activation = activation
-            ctx.x_shape = x.shape
-            ctx.has_bias = bias is not None
-            ctx.w_dtype = weight.dtype
-            ctx.b_dtype = bias.dtype if bias is not None else None
-            saved = z if need_z else (y if activation == "relu" else None)
-            ctx.save_for_backward(x2, w_lp, saved)
-            return y.view(out_shape)
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation, dtype):
+        # Cast like autocast would (a no-op when already in dtype). Autocast's cast happens
+        # outside the Function, so the casts' own backward would route gradients back; here
+        # we return gradients in the original dtypes ourselves (see backward).
+        x_lp = x.to(dtype)
+        w_lp = weight.to(dtype)
+        b_lp = bias.to(dtype) if bias is not None else None
+        x2, out_shape = checked_2d(x_lp, w_lp.t(), b_lp, activation)  # x2: (M, in)
+        # GELU's backward needs Z = x W^T + b. We keep Z (written by the same epilogue, one
+        # extra (M, out) store) instead of recomputing it: recomputing costs a whole extra GEMM
+        # in backward (+50 % backward FLOPs), while keeping it costs M*out*2 bytes, the same
+        # memory nn.Linear followed by nn.GELU holds (GELU saves its input). ReLU needs no Z:
+        # relu'(z) = (y > 0), read from the output itself.
+        need_z = activation == "gelu" and any(ctx.needs_input_grad[:3])
+        y, z = _op(ops.linear_forward, ops.linear_forward_impl)(x2, w_lp, b_lp, activation, need_z)
+        ctx.activation = activation
+        ctx.x_shape = x.shape
+        ctx.has_bias = bias is not None
+        ctx.w_dtype = weight.dtype
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        saved = z if need_z else (y if activation == "relu" else None)
+        ctx.save_for_backward(x2, w_lp, saved)
+        return y.view(out_shape)
 
-        @staticmethod
-        @bwd_deco
-        def backward(ctx, grad_out):
-            first_derivative_only("TritonLinear", "GPT.use_triton(False)")
-            x2, w_lp, saved = ctx.saved_tensors
-            dtype = w_lp.dtype
-            g = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)  # (M, out)
-            want_db = ctx.has_bias and ctx.needs_input_grad[2]
-            db32 = None
-            if ctx.activation == "gelu":
-                # dZ, and with a bias its column sums, in one Triton pass (gelu.py)
-                g, db32 = _op(ops.gelu_backward, ops.gelu_backward_impl)(g, saved, want_db)
-                db32 = db32 if want_db else None
-            elif ctx.activation == "relu":
-                g = g * (saved > 0)  # exact in any dtype
-            if not g.is_contiguous():
-                g = g.contiguous()
-            dx = dw = db = None
-            mm = _op(ops.matmul, ops.matmul_impl)
-            if ctx.needs_input_grad[0]:
-                dx = mm(g, w_lp, dtype, INPUT_GRAD_KERNEL).view(ctx.x_shape)  # (M, out) @ (out, in)
-            if ctx.needs_input_grad[1]:
-                # fp32 accumulator written straight to the weight's dtype (fp32 master weights).
-                # (out, M) @ (M, in): g.t() is a strided view.
-                dw = mm(g.t(), x2, ctx.w_dtype if ctx.w_dtype == torch.float32 else dtype, WEIGHT_GRAD_KERNEL)
-            if want_db:
-                if db32 is None:
-                    db32 = g.sum(0, dtype=torch.float32)  # fp32 sum, no fp32 copy of g
-                db = db32.to(ctx.b_dtype)
-            return dx, dw, db, None, None
-
-    _TritonLinearFunction.__name__ = f"TritonLinearFunction_{device_type}" + ("" if amp_decorators else "_compiled")
-    return _TritonLinearFunction
-
-
-# (device type, compiling) -> Function. Built ahead for the usual device types: building a class
-# while torch.compile traces the first call would break its graph.
-_FUNCTIONS: dict[tuple[str, bool], type] = {(d, c): _make_function(d, amp_decorators=not c)
-                                            for d in ("cuda", "cpu") for c in (False, True)}
+    @staticmethod
+    def backward(ctx, grad_out):
+        first_derivative_only("TritonLinear", "GPT.use_triton(False)")
+        x2, w_lp, saved = ctx.saved_tensors
+        dtype = w_lp.dtype
+        g = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)  # (M, out)
+        want_db = ctx.has_bias and ctx.needs_input_grad[2]
+        db32 = None
+        if ctx.activation == "gelu":
+            # dZ, and with a bias its column sums, in one Triton pass (gelu.py)
+            g, db32 = _op(ops.gelu_backward, ops.gelu_backward_impl)(g, saved, want_db)
+            db32 = db32 if want_db else None
+        elif ctx.activation == "relu":
+            g = g * (saved > 0)  # exact in any dtype
+        if not g.is_contiguous():
+            g = g.contiguous()
+        dx = dw = db = None
+        mm = _op(ops.matmul, ops.matmul_impl)
+        if ctx.needs_input_grad[0]:
+            dx = mm(g, w_lp, dtype, INPUT_GRAD_KERNEL).view(ctx.x_shape)  # (M, out) @ (out, in)
+        if ctx.needs_input_grad[1]:
+            # fp32 accumulator written straight to the weight's dtype (fp32 master weights).
+            # (out, M) @ (M, in): g.t() is a strided view.
+            dw = mm(g.t(), x2, ctx.w_dtype if ctx.w_dtype == torch.float32 else dtype, WEIGHT_GRAD_KERNEL)
+        if want_db:
+            if db32 is None:
+                db32 = g.sum(0, dtype=torch.float32)  # fp32 sum, no fp32 copy of g
+            db = db32.to(ctx.b_dtype)
+        return dx, dw, db, None, None
 
 
 def _op(custom_op, impl):
@@ -166,10 +156,7 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if activation == "gelu":
             return F.gelu(y, approximate="tanh")
         return F.relu(y) if activation == "relu" else y
-    key = (x.device.type, torch.compiler.is_compiling())
-    if key not in _FUNCTIONS:
-        _FUNCTIONS[key] = _make_function(key[0], amp_decorators=not key[1])
-    return _FUNCTIONS[key].apply(x, weight, bias, activation, dtype)
+    return _TritonLinearFunction.apply(x, weight, bias, activation, dtype)
 
 
 class TritonLinear(nn.Module):
