@@ -82,6 +82,7 @@ RECORDS = {
     "train-triton-rows-h100": "GPT-2 small with TritonLinear layers under torch.compile against nn.Linear, with and without the step recorded as a CUDA graph, one run, on an H100 (chapter 7)",
     "train-triton-profile-h100": "the same pair profiled, each matrix product's device time by shape, and the host's time per step, one run, on an H100 (chapter 7)",
     "train-triton-gelu-ws-h100": "the same pair after TritonLinear's GELU forward moved to the warp-specialised kernel, two runs, on an H100 (chapter 7)",
+    "train-eager-triton-h100": "GPT-2 small in eager mode with TritonLinear layers against nn.Linear, two pairs in one run, on an H100 (chapter 7)",
     "kernels-h100": "where the matrix kernels stand on an H100: kernel='auto' against cuBLAS, TritonLinear against nn.Linear and the gradient products, called from Python and as replayed graphs, two runs (chapters 6, 7)",
     "kernels-host-maps-h100": "kernel='auto' and TritonLinear called from Python after the descriptors' encodings were kept per address and repeated checks skipped, two runs, on an H100 (chapters 6, 7)",
     "optim16-launches-h200": "the 16-bit AdamW in one launch per parameter group against one per tensor, and the clip's norm through its tables against torch's (chapter 10)",
