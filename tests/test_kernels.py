@@ -700,16 +700,18 @@ def test_triton_linear_autocast_forward_and_backward(activation):
     assert rel_err(lin.bias.grad, db) < 1e-2
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("activation", [None, "gelu", "relu"])
-def test_triton_linear_backward_ignores_the_autocast_state(activation):
+def test_triton_linear_backward_ignores_the_autocast_state(activation, grad_dtype):
     """TritonLinear's Function has no custom_fwd/custom_bwd: its backward takes the dtype from
-    what forward saved, so running backward inside an autocast region (on a CPU the engine runs it
-    on the calling thread, in that region) gives the gradients it gives outside, bit for bit."""
+    what forward saved, so running backward inside an autocast region (the autocast state reaches
+    the backward pass there) gives the gradients it gives outside, bit for bit. Only an operation
+    on fp32 inputs can come out differently under autocast, hence an fp32 upstream gradient too."""
     torch.manual_seed(0)
     lin = nn.Linear(40, 36).to(DEVICE)
     layer = TritonLinear.from_linear(lin, activation=activation)
     x = torch.randn(3, 11, 40, device=DEVICE, requires_grad=True)
-    grad = torch.randn(3, 11, 36, device=DEVICE).to(torch.bfloat16)
+    grad = torch.randn(3, 11, 36, device=DEVICE).to(grad_dtype)
     grads = []
     for inside in (False, True):
         x.grad = lin.weight.grad = lin.bias.grad = None
