@@ -1052,7 +1052,7 @@ def gelu_forward(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     from one launch: the epilogue writes z (GELU's backward needs it) and then y = gelu(z) of z as
     stored, in fp32 from its 16-bit value (what the unfused model computes under autocast, and
     the z the backward reads). a: (M, K), w: (N, K) -> y, z: (M, N). The caller checked
-    gelu_eligible(a, w). Repeated calls with one signature take the lean launch path."""
+    gelu_eligible(a, w, bias). Repeated calls with one signature take the lean launch path."""
     if w.shape[1] != a.shape[1]:
         raise ValueError(f"a is {tuple(a.shape)} but w is {tuple(w.shape)}: w must be (N, {a.shape[1]})")
     M, N = a.shape[0], w.shape[0]
