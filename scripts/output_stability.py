@@ -3,6 +3,7 @@ and compare every checked cell (tagged `nbval-check-output`) with the committed 
 
     python scripts/output_stability.py                       # all chapters, the default variants
     python scripts/output_stability.py notebooks/04_*.ipynb --variant ATEN_CPU_CAPABILITY=default
+    python scripts/output_stability.py --perturb 1 --perturb 2   # seeded ulp-sized perturbations
 
 A checked cell must print the same text on every CPU, BLAS build and thread count that a learner
 or a CI machine might have. PyTorch picks its vectorised CPU kernels at run time (AVX-512, AVX2 or
@@ -10,6 +11,11 @@ plain C++); each sums in a different order, so the last bits of a reduction diff
 machines. `ATEN_CPU_CAPABILITY=default` forces the plain kernels here, which reorders the sums the
 way another CPU would; a thread count of 1 or 2 splits the work differently again. A cell whose
 text changes under any variant prints something the CPU decides, not the code.
+
+The settings available on one machine cover only its own CPU's alternatives: an AMD CPU cannot
+run an AVX-512 FP16 or AMX kernel. `--perturb SEED` covers the rest: it executes the chapters with
+every matrix product and reduction moved by a few ulps (scripts/perturb.py), seeded, which is what a
+different summation order does on any CPU. A checked cell that moves under it holds by luck.
 
 Each variant runs in its own kernel environment (the variables are set before torch starts). The
 report lists, per variant, the checked cells whose text differs from the committed output; the
@@ -63,6 +69,9 @@ def parse_variant(spec: str) -> dict:
     return env
 
 
+PERTURB = "MPGPT_PERTURB_SEED"  # set by --perturb: the kernel installs scripts/perturb.py first
+
+
 def execute(path: Path, env: dict) -> nbformat.NotebookNode:
     """Run the notebook in a child process whose environment has `env` added (the kernel inherits it)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,8 +83,15 @@ def execute(path: Path, env: dict) -> nbformat.NotebookNode:
 
 def execute_one(path: Path, out: Path) -> None:
     nb = nbformat.read(path, as_version=4)
+    seed = os.environ.get(PERTURB)
+    if seed is not None:  # a first cell, removed again below, installs the perturbation in the kernel
+        nb.cells.insert(0, nbformat.v4.new_code_cell(
+            f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import perturb; "
+            f"perturb.enable(seed={int(seed)})"))
     NotebookClient(nb, timeout=900, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
+    if seed is not None:
+        nb.cells.pop(0)
     nbformat.write(nb, out)
 
 
@@ -110,6 +126,9 @@ def main(argv=None) -> int:
     parser.add_argument("--variant", action="append",
                         help="comma-separated VAR=VALUE settings for one run (repeatable); "
                              f"default: {' and '.join(DEFAULT_VARIANTS)}")
+    parser.add_argument("--perturb", action="append", type=int, metavar="SEED",
+                        help="a variant with every product and reduction moved by up to 2 ulps, seeded "
+                             "(repeatable; scripts/perturb.py)")
     parser.add_argument("--jobs", type=int, default=2, help="notebooks executed at once (default 2)")
     parser.add_argument("--execute-one", nargs=2, type=Path, metavar=("NOTEBOOK", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -117,7 +136,9 @@ def main(argv=None) -> int:
         execute_one(*args.execute_one)
         return 0
     notebooks = args.notebooks or sorted((ROOT / "notebooks").glob("*.ipynb"))
-    variants = args.variant or DEFAULT_VARIANTS
+    variants = list(args.variant or [])
+    variants += [f"{PERTURB}={seed}" for seed in args.perturb or []]
+    variants = variants or DEFAULT_VARIANTS
     jobs = [(nb, v) for v in variants for nb in notebooks]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         found = [line for lines in pool.map(lambda job: compare(*job), jobs) for line in lines]

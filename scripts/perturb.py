@@ -1,0 +1,87 @@
+"""Perturb PyTorch's floating-point results the way another CPU's kernels would.
+
+Two CPUs run the same float program with different kernels: AVX2 or AVX-512 or AMX, another BLAS
+blocking, another thread split. Each sums in its own order, so a result that is not exactly
+representable can come out a few units in the last place (ulps) higher or lower. A checked notebook
+cell must print the same text whatever the order; this mode lets one machine play every other.
+
+`enable(seed, ulps)` installs a TorchDispatchMode that, after each matrix product and reduction
+(forward and backward: mm, addmm, bmm, sums, means, softmax, layer norm, attention ...), moves every
+element whose exact value the output dtype cannot hold by a seeded random whole number of ulps in
+[-ulps, ulps]. The exact value is taken from the same operation in float64. An element the dtype
+holds exactly (a count, a sum of a few small integers, a power-of-two scaling of an exact value) is
+left alone: every summation order gets those right, so no real CPU moves them either.
+
+    python scripts/output_stability.py --perturb 1        # every chapter, seeded perturbation
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+# The operations whose result depends on a summation order: products, reductions, and the fused
+# kernels built from them (softmax, layer norm, attention), with their backward passes.
+PACKETS = {
+    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.dot, aten.mv, aten.addmv,
+    aten.sum, aten.mean, aten.var, aten.std, aten.var_mean, aten.std_mean, aten.norm, aten.linalg_vector_norm,
+    aten.cumsum, aten.prod,
+    aten._softmax, aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data,
+    aten.native_layer_norm, aten.native_layer_norm_backward,
+    aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    aten.nll_loss_forward, aten.nll_loss_backward,
+}
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _double(x):
+    return x.double() if isinstance(x, torch.Tensor) and x.dtype in DTYPES else x
+
+
+class Perturb(TorchDispatchMode):
+    """Move inexact results of order-dependent operations by up to `ulps` ulps, seeded."""
+
+    def __init__(self, seed: int = 0, ulps: int = 2):
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(seed)
+        self.ulps = ulps
+        self.calls = 0
+
+    def _move(self, out: torch.Tensor, exact: torch.Tensor | None) -> torch.Tensor:
+        if not isinstance(out, torch.Tensor) or out.dtype not in DTYPES or out.numel() == 0 or out.device.type != "cpu":
+            return out
+        steps = torch.randint(-self.ulps, self.ulps + 1, out.shape, generator=self.generator).double()
+        moved = (out.double() * (1 + steps * torch.finfo(out.dtype).eps)).to(out.dtype)
+        if isinstance(exact, torch.Tensor) and exact.shape == out.shape:
+            held = exact.to(out.dtype).double() == exact  # the dtype holds the exact value: leave it
+            moved = torch.where(held | ~torch.isfinite(out), out, moved)
+        else:
+            moved = torch.where(torch.isfinite(out), moved, out)
+        self.calls += 1
+        return moved
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.overloadpacket not in PACKETS or func._schema.is_mutable:
+            return out
+        try:
+            exact = func(*[_double(a) for a in args], **{k: _double(v) for k, v in kwargs.items()})
+        except Exception:  # an operation without a float64 kernel: treat every element as inexact
+            exact = None
+        if isinstance(out, tuple):
+            exacts = exact if isinstance(exact, tuple) else (None,) * len(out)
+            return tuple(self._move(o, e) for o, e in zip(out, exacts))
+        return self._move(out, exact)
+
+
+_ACTIVE: list[Perturb] = []
+
+
+def enable(seed: int = 0, ulps: int = 2) -> Perturb:
+    """Install the mode for the rest of the process (the notebook kernel's main thread)."""
+    mode = Perturb(seed, ulps)
+    mode.__enter__()
+    _ACTIVE.append(mode)
+    return mode
