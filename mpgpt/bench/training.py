@@ -406,26 +406,63 @@ def inductor_settings(settings):
     return inductor_config.patch({**settings, "fx_graph_cache": False})
 
 
+class NonFiniteStep(RuntimeError):
+    """A timed step's loss or gradient norm was not finite: the row's numbers time a broken run."""
+
+
+def _check_finite(results, what: str) -> None:
+    """Raise NonFiniteStep unless every (loss, grad_norm) of ``results`` is finite (one host sync)."""
+    if not results:
+        return
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=results[0][0].device).reshape(())
+                          for pair in results for v in pair])
+    bad = (~torch.isfinite(values)).view(-1, 2).any(1).nonzero().flatten().tolist()
+    if bad:
+        raise NonFiniteStep(f"{len(bad)} of {len(results)} {what} steps had a non-finite loss or gradient norm "
+                            f"(first: step {bad[0] + 1}); the row's timing would be of a broken run")
+
+
 def _time_steps(trainer, warmup, steps) -> list[float]:
-    """Per-step wall times in ms, measured with CUDA events (no host sync inside the timed region)."""
+    """Per-step wall times in ms, measured with CUDA events (no host sync inside the timed region).
+    Every step's loss and gradient norm are checked for finiteness after the timed region."""
     for _ in range(warmup):
         trainer.train_step()
     cuda = trainer.device.type == "cuda"
+    results = []
     if cuda:
         torch.cuda.synchronize()
         events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
         events[0].record()
         for i in range(steps):
-            trainer.train_step()
+            results.append(trainer.train_step()[:2])
             events[i + 1].record()
         torch.cuda.synchronize()
+        _check_finite(results, "timed")
         return [events[i].elapsed_time(events[i + 1]) for i in range(steps)]
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        trainer.train_step()
+        results.append(trainer.train_step()[:2])
         times.append((time.perf_counter() - t) * 1e3)
+    _check_finite(results, "timed")
     return times
+
+
+def _time_steps_synced(trainer, steps) -> float:
+    """Seconds for ``steps`` steps timed as llm.c and nanoGPT's bench.py time theirs: wall clock,
+    the batch fetched inside the timed region (train_step fetches it) and the loss read on the host
+    after every step, so nothing of the step is left running when the clock stops."""
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    results = []
+    for _ in range(steps):
+        loss, grad_norm = trainer.train_step()[:2]
+        loss.item()
+        results.append((loss, grad_norm))
+    seconds = time.perf_counter() - t
+    _check_finite(results, "synced")
+    return seconds
 
 
 def _profiled(trainer, steps, record_shapes=False):
@@ -539,6 +576,7 @@ def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10,
                 trainer = make_trainer(name, preset, batch_size, block_size, device, checkpointing)
                 t0 = time.perf_counter()
                 times = _time_steps(trainer, warmup, steps)
+                synced_s = _time_steps_synced(trainer, steps)
                 row["wall_s"] = round(time.perf_counter() - t0, 1)
         except torch.OutOfMemoryError:
             row["error"] = "out of memory"
@@ -559,6 +597,8 @@ def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10,
             "block_size": trainer.block_size, "tokens_per_step": tokens,
             "ms_per_step_median": round(ms, 3), "ms_per_step_min": round(min(times), 3),
             "ms_per_step_max": round(max(times), 3), "tokens_per_s": round(tps),
+            # Like the peers (llm.c, nanoGPT's bench.py): wall clock, loss read every step.
+            "tokens_per_s_synced": round(tokens * steps / synced_s),
             "flops_per_token": flops,
             "mfu_vs_989T": round(mfu(flops, tps, REFERENCE_PEAK), 4) if device.type == "cuda" else None,
             "mfu_vs_datasheet_peak": round(mfu(flops, tps, peak), 4) if peak else None,
@@ -594,8 +634,9 @@ def real_run(name, preset="gpt2", batch_size=12, steps=150) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     trainer = make_trainer(name, preset, batch_size, None, device, dataset=TextDataset(default_corpus()),
                            steps=steps, warmup_steps=20)
-    losses = [trainer.train_step()[0] for _ in range(steps)]
-    losses = torch.stack(losses).tolist()
+    results = [trainer.train_step()[:2] for _ in range(steps)]
+    _check_finite(results, "real-text")  # a broken run is an error, not a loss curve
+    losses = torch.stack([loss for loss, _ in results]).tolist()
     result = {"config": name, "preset": preset, "batch_size": batch_size, "steps": steps,
               "data": "embedded corpus (mpgpt.data.default_corpus)",
               "loss_first5_mean": sum(losses[:5]) / 5, "loss_last5_mean": sum(losses[-5:]) / 5,
@@ -675,7 +716,11 @@ def main(argv=None) -> int:
     if set(LADDER) & set(names):
         print_ladder(payload["rows"])
     if args.real_run_config:
-        payload["real_run"] = real_run(args.real_run_config, args.preset, args.batch_size, args.real_steps)
+        try:
+            payload["real_run"] = real_run(args.real_run_config, args.preset, args.batch_size, args.real_steps)
+        except NonFiniteStep as e:
+            payload["real_run"] = {"config": args.real_run_config, "error": str(e)}
+            print(f"real run {args.real_run_config}: {e}", flush=True)
     path = write_result("train", payload, args.out_dir, tag=args.tag, command=command)
     print(f"\nwrote {path}")
     return 0
