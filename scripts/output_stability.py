@@ -70,6 +70,7 @@ def parse_variant(spec: str) -> dict:
 
 
 PERTURB = "MPGPT_PERTURB_SEED"  # set by --perturb: the kernel installs scripts/perturb.py first
+PERTURB_WIDE = "MPGPT_PERTURB_WIDE"  # set by --perturb-wide: 16-bit results moved by their own ulps
 
 
 def execute(path: Path, env: dict) -> nbformat.NotebookNode:
@@ -87,7 +88,7 @@ def execute_one(path: Path, out: Path) -> None:
     if seed is not None:  # a first cell, removed again below, installs the perturbation in the kernel
         nb.cells.insert(0, nbformat.v4.new_code_cell(
             f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import perturb; "
-            f"perturb.enable(seed={int(seed)})"))
+            f"perturb.enable(seed={int(seed)}, wide={os.environ.get(PERTURB_WIDE) == '1'})"))
     NotebookClient(nb, timeout=900, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     if seed is not None:
@@ -129,6 +130,9 @@ def main(argv=None) -> int:
     parser.add_argument("--perturb", action="append", type=int, metavar="SEED",
                         help="a variant with every product and reduction moved by up to 2 ulps, seeded "
                              "(repeatable; scripts/perturb.py)")
+    parser.add_argument("--perturb-wide", action="append", type=int, metavar="SEED",
+                        help="the same with bf16/fp16 results moved by their own ulps, as a CPU with native "
+                             "fp16 arithmetic might (harsher; for claims about training runs)")
     parser.add_argument("--jobs", type=int, default=2, help="notebooks executed at once (default 2)")
     parser.add_argument("--execute-one", nargs=2, type=Path, metavar=("NOTEBOOK", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -138,6 +142,7 @@ def main(argv=None) -> int:
     notebooks = args.notebooks or sorted((ROOT / "notebooks").glob("*.ipynb"))
     variants = list(args.variant or [])
     variants += [f"{PERTURB}={seed}" for seed in args.perturb or []]
+    variants += [f"{PERTURB}={seed},{PERTURB_WIDE}=1" for seed in args.perturb_wide or []]
     variants = variants or DEFAULT_VARIANTS
     jobs = [(nb, v) for v in variants for nb in notebooks]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:

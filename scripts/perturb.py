@@ -8,7 +8,9 @@ cell must print the same text whatever the order; this mode lets one machine pla
 `enable(seed, ulps)` installs a TorchDispatchMode that, after each matrix product and reduction
 (forward and backward: mm, addmm, bmm, sums, means, softmax, layer norm, attention ...), moves every
 element whose exact value the output dtype cannot hold by a seeded random whole number of ulps in
-[-ulps, ulps]. The exact value is taken from the same operation in float64. An element the dtype
+[-ulps, ulps]: an fp32 result by its own ulps; a bf16 or fp16 result, which CPUs accumulate in fp32
+and round once, by fp32 ulps before that rounding. The exact value is taken from the same operation
+in float64. An element the dtype
 holds exactly (a count, a sum of a few small integers, a power-of-two scaling of an exact value) is
 left alone: every summation order gets those right, so no real CPU moves them either.
 
@@ -42,24 +44,29 @@ def _double(x):
 class Perturb(TorchDispatchMode):
     """Move inexact results of order-dependent operations by up to `ulps` ulps, seeded."""
 
-    def __init__(self, seed: int = 0, ulps: int = 2):
+    def __init__(self, seed: int = 0, ulps: int = 2, wide: bool = False):
         super().__init__()
         self.generator = torch.Generator().manual_seed(seed)
-        self.ulps = ulps
+        self.ulps, self.wide = ulps, wide
         self.calls = 0
 
     def _move(self, out: torch.Tensor, exact: torch.Tensor | None) -> torch.Tensor:
         if not isinstance(out, torch.Tensor) or out.dtype not in DTYPES or out.numel() == 0 or out.device.type != "cpu":
             return out
         steps = torch.randint(-self.ulps, self.ulps + 1, out.shape, generator=self.generator).double()
-        moved = (out.double() * (1 + steps * torch.finfo(out.dtype).eps)).to(out.dtype)
-        if isinstance(exact, torch.Tensor) and exact.shape == out.shape:
-            held = exact.to(out.dtype).double() == exact  # the dtype holds the exact value: leave it
-            moved = torch.where(held | ~torch.isfinite(out), out, moved)
+        known = isinstance(exact, torch.Tensor) and exact.shape == out.shape
+        if known and out.dtype != torch.float32 and not self.wide:
+            # A CPU computes a bf16 or fp16 product or sum in fp32 and rounds it once at the end: another
+            # order moves the fp32 value by a few of its ulps, and the 16-bit result only where that
+            # crosses a rounding boundary.
+            moved = (exact * (1 + steps * torch.finfo(torch.float32).eps)).float().to(out.dtype)
         else:
-            moved = torch.where(torch.isfinite(out), moved, out)
+            moved = (out.double() * (1 + steps * torch.finfo(out.dtype).eps)).to(out.dtype)
+        keep = ~torch.isfinite(out)
+        if known:
+            keep |= exact.to(out.dtype).double() == exact  # the dtype holds the exact value: leave it
         self.calls += 1
-        return moved
+        return torch.where(keep, out, moved)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -79,9 +86,11 @@ class Perturb(TorchDispatchMode):
 _ACTIVE: list[Perturb] = []
 
 
-def enable(seed: int = 0, ulps: int = 2) -> Perturb:
-    """Install the mode for the rest of the process (the notebook kernel's main thread)."""
-    mode = Perturb(seed, ulps)
+def enable(seed: int = 0, ulps: int = 2, wide: bool = False) -> Perturb:
+    """Install the mode for the rest of the process (the notebook kernel's main thread). ``wide``
+    moves bf16 and fp16 results by their own ulps too, as a CPU that does fp16 arithmetic natively
+    might: harsher than any fp32-accumulating kernel, for claims about training runs."""
+    mode = Perturb(seed, ulps, wide)
     mode.__enter__()
     _ACTIVE.append(mode)
     return mode

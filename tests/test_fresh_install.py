@@ -97,13 +97,22 @@ def test_wheel_benchmark_writes_its_result_into_the_current_folder(fresh_python,
     assert "wrote" in stdout
 
 
-def copy_chapters(tmp_path, names=None) -> Path:
-    """The chapter notebooks alone, in an empty folder, as Colab gets them."""
+def copy_chapters(tmp_path, names=None, perturb_seed=None) -> Path:
+    """The chapter notebooks alone, in an empty folder, as Colab gets them. With ``perturb_seed``,
+    each starts with a cell that installs scripts/perturb.py's seeded perturbation (copied beside
+    them): every product and reduction then rounds as under another summation order."""
     work = tmp_path / "chapters"
     work.mkdir()
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         if names is None or path.name in names:
             shutil.copy(path, work / path.name)
+            if perturb_seed is not None:
+                import nbformat
+                nb = nbformat.read(work / path.name, as_version=4)
+                nb.cells.insert(0, nbformat.v4.new_code_cell(f"import perturb; perturb.enable(seed={perturb_seed})"))
+                nbformat.write(nb, work / path.name)
+    if perturb_seed is not None:
+        shutil.copy(ROOT / "scripts" / "perturb.py", work / "perturb.py")
     return work
 
 
@@ -149,9 +158,11 @@ def test_every_chapter_runs_from_an_empty_folder_with_the_wheel(fresh_python, tm
     kernels other than this machine's default ones (other_cpu_kernels: PyTorch's plain C++ kernels,
     or MKL's compatible path where those trip a torch bug) while the README's command checks the
     same notebooks in the checkout under the default ones: a checked output must not depend on
-    which kernels a CPU picks, or CI goes red on the next machine type."""
+    which kernels a CPU picks, or CI goes red on the next machine type. A CPU of another kind (AVX-512
+    FP16, AMX) cannot be switched to here, so the chapters also run under scripts/perturb.py's seeded
+    perturbation, which rounds every product and reduction as another summation order would."""
     python, site = fresh_python
-    work = copy_chapters(tmp_path)
+    work = copy_chapters(tmp_path, perturb_seed=1)
     out = subprocess.run([str(python), "-m", "pytest", "-q", "--nbval-lax", "--nbval-current-env",
                           "-p", "no:cacheprovider", "-p", "no:randomly", *sorted(p.name for p in work.glob("*.ipynb"))],
                          cwd=work, env=rehearsal_env(**other_cpu_kernels()),
