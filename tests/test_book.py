@@ -321,7 +321,7 @@ DEV_LOG = [
     ("development history", r"\bsittings?\b|\bprob(e|es|ed|ing)\b|\btwins?\b|\bnot kept\b|"
                             r"\b(first|second|third) version\b|\bNOTES-\w+|\bthe NOTES\b"),
     ("a commit hash", r"\bcommits? [0-9a-f]{7,40}\b"),
-    ("the date of a run", r"\b20\d\d-[01]\d-[0-3]\d\b"),
+    ("the date of a run", r"(?<!Accessed )\b20\d\d-[01]\d-[0-3]\d\b"),   # a web citation's access date is fine
 ]
 
 # Pages still being rewritten as lessons: the patterns above skip them until they are done.
@@ -356,7 +356,8 @@ def test_dev_log_patterns_catch_what_they_should():
     for what, _ in DEV_LOG:
         assert what in found, f"the {what!r} pattern missed its example"
     good = ("round to nearest, ties to even; round 2.5 to 2; the target character; the call to "
-            "torch.matmul; https://github.com/pytorch/examples/issues/1196; a/tmp/b; 0.5 rounds")
+            "torch.matmul; https://github.com/pytorch/examples/issues/1196; a/tmp/b; 0.5 rounds; "
+            "PyTorch documentation. Accessed 2026-12-01.")
     assert dev_log_problems("x", good) == [], dev_log_problems("x", good)
 
 
