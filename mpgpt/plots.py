@@ -480,7 +480,7 @@ def plot_kernel_tflops(results: dict) -> Figure:
     ax.set_ylabel("TFLOP/s (bf16 in, fp32 accumulate)")
     ax.set_ylim(0, 1.18 * max(max(r["cublas_tflops"], *(r[k]["tflops"] for k in kernels)) for r in rows))
     ax.set_title("Matmul throughput, median of do_bench (numbers: fraction of cuBLAS)\n"
-                 + describe_result(results), fontsize=10)
+                 + describe_result(results, date=False), fontsize=10)
     ax.legend(fontsize=8, loc="upper left", ncol=len(series))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -537,7 +537,7 @@ def plot_roofline(results: dict, bandwidth_tbs: float, peak_tflops: float | None
     ax.set_ylim(bandwidth_tbs * 0.25, peak * 1.6)
     ax.set_xlabel(f"arithmetic intensity (FLOP per byte, {bytes_per_element}-byte elements, each moved once)")
     ax.set_ylabel("TFLOP/s")
-    ax.set_title("Roofline of the benchmarked matmuls\n" + describe_result(results), fontsize=10)
+    ax.set_title("Roofline of the benchmarked matmuls\n" + describe_result(results, date=False), fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()

@@ -123,13 +123,16 @@ def load_result(path) -> dict:
     return result
 
 
-def describe(result: dict) -> str:
-    """One line: where and when a result was measured."""
+def describe(result: dict, date: bool = True) -> str:
+    """One line: where a result was measured (GPU or CPU and software versions) and, unless
+    ``date=False``, when. The chapters pass ``date=False``: a learner needs the hardware and the
+    versions; the date stays in the record."""
     env = result.get("environment", {})
     where = env.get("gpu") or env.get("device_name") or env.get("cpu") or "CPU"
     versions = ", ".join(f"{k} {env[k]}" for k in ("driver", "cuda", "torch", "triton") if env.get(k))
     cap = f" ({env['capability']})" if env.get("capability") else ""
-    return f"{where}{cap}, {versions}, {str(env.get('date', '?'))[:10]}"
+    when = f", {str(env.get('date', '?'))[:10]}" if date else ""
+    return f"{where}{cap}, {versions}{when}"
 
 
 def code_commit() -> str | None:

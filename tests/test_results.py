@@ -23,6 +23,8 @@ def test_every_curated_record_loads_with_its_environment(name):
     assert "/root" not in env["command"] and "/work" not in env["command"]
     line = results.describe(record)
     assert env["date"][:10] in line and env["torch"] in line
+    undated = results.describe(record, date=False)   # what the chapters print
+    assert env["date"][:10] not in undated and env["torch"] in undated
 
 
 def test_records_hold_what_the_chapters_read():
