@@ -20,6 +20,8 @@ natively might: harsher than any fp32-accumulating kernel, for claims about trai
 """
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -40,22 +42,35 @@ BITS = {torch.float32: (torch.int32, 23), torch.float16: (torch.int16, 10), torc
 
 
 class Perturb(TorchDispatchMode):
-    """Move inexact results of order-dependent operations by up to `ulps` ulps, seeded."""
+    """Move inexact results of order-dependent operations by up to `ulps` ulps, seeded. The steps
+    depend on the seed, the operation and its inputs, so a repeated computation repeats its bits."""
 
     def __init__(self, seed: int = 0, ulps: int = 2, wide: bool = False):
         super().__init__()
-        self.generator = torch.Generator().manual_seed(seed)
-        self.ulps, self.wide = ulps, wide
+        self.generator = torch.Generator()
+        self.seed, self.ulps, self.wide = seed, ulps, wide
         self.calls = 0
 
-    def _move(self, out):
+    def _steps(self, func, args, shape, int_type):
+        """The ulp steps for one result: a function of the seed, the operation and its inputs' bits,
+        so that the same computation repeated gives the same bits, as on any deterministic CPU."""
+        key = [self.seed, str(func)]
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype in BITS and a.numel():
+                key.append(int(a.detach().reshape(-1).view(BITS[a.dtype][0]).sum(dtype=torch.int64)))
+                key.append(tuple(a.shape))
+        digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()  # stable across processes
+        self.generator.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+        return torch.randint(-self.ulps, self.ulps + 1, shape, generator=self.generator, dtype=int_type)
+
+    def _move(self, out, func=None, args=()):
         if not isinstance(out, torch.Tensor) or out.dtype not in BITS or out.device.type != "cpu" or out.numel() == 0:
             return out
         if out.dtype != torch.float32 and not self.wide:
             return out
         int_type, mantissa = BITS[out.dtype]
         bits = out.view(int_type)
-        steps = torch.randint(-self.ulps, self.ulps + 1, out.shape, generator=self.generator, dtype=int_type)
+        steps = self._steps(func, args, out.shape, int_type)
         short = (bits & 0xFF) == 0 if mantissa > 8 else bits.new_zeros(bits.shape, dtype=torch.bool)
         # The bit pattern is sign and magnitude: a step changes the magnitude by that many ulps, and
         # must not cross zero (into the sign bit) or the largest finite number (into inf and NaN).
@@ -71,8 +86,8 @@ class Perturb(TorchDispatchMode):
         if func.overloadpacket not in PACKETS or func._schema.is_mutable:
             return out
         if isinstance(out, tuple):
-            return tuple(self._move(o) for o in out)
-        return self._move(out)
+            return tuple(self._move(o, (func, i), args) for i, o in enumerate(out))
+        return self._move(out, func, args)
 
 
 _ACTIVE: list[Perturb] = []
