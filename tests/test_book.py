@@ -324,10 +324,6 @@ DEV_LOG = [
     ("the date of a run", r"(?<!Accessed )\b20\d\d-[01]\d-[0-3]\d\b"),   # a web citation's access date is fine
 ]
 
-# Pages still being rewritten as lessons: the patterns above skip them until they are done.
-DEV_LOG_PENDING = {"notebooks/07_putting_it_together"}
-
-
 def page_text(path: Path) -> str:
     """The text a reader sees on a rendered page (scripts, styles and the hidden search data removed)."""
     soup = BeautifulSoup(path.read_text(encoding="utf-8"), "html.parser")
@@ -364,8 +360,6 @@ def test_dev_log_patterns_catch_what_they_should():
 def test_rendered_pages_speak_to_readers(book_html):
     problems = []
     for docname in toc_docnames():
-        if docname in DEV_LOG_PENDING:
-            continue
         problems += dev_log_problems(docname, page_text(html_path(book_html, docname)))
     assert not problems, "development-log text in the rendered book:\n" + "\n".join(problems)
 
