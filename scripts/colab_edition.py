@@ -307,14 +307,14 @@ def _inline(line: str, ctx: Context) -> str:
 # --- notebooks ----------------------------------------------------------------------------------
 
 def _exercise_numbers(nb, ctx: Context) -> dict:
+    """label -> "N.k" for the notebook's exercises, k counting from 1 in page order (as the book does)."""
     labels = []
     for cell in nb.cells:
         if cell.cell_type != "markdown":
             continue
-        for match in re.finditer(r"^[ \t]*(`{3,}|:{3,})\{exercise\}.*\n(?P<body>(?:[ \t]*:[\w-]+:.*\n)*)",
-                                 cell.source + "\n", re.MULTILINE):
-            label = re.search(r":label:[ \t]*(\S+)", match["body"])
-            labels.append(label.group(1) if label else None)
+        for match in re.finditer(r"^[ \t]*(`{3,}|:{3,})\{exercise\}[^\n]*\n", cell.source, re.MULTILINE):
+            options, _ = _split_options(cell.source[match.end():].split("\n"))
+            labels.append(options.get("label"))
     return {label: f"{ctx.chapter}.{k}" if ctx.chapter else str(k)
             for k, label in enumerate(labels, start=1) if label}
 

@@ -168,6 +168,9 @@ def test_converter_exercises_and_solutions():
     assert ":label:" not in full and ":class:" not in full
     student = convert(text, student=True)
     assert "Answer" not in student and "<details>" not in student and "**Exercise 7.2**" in student
+    # Options may also come as a YAML block.
+    yaml_options = convert("```{exercise}\n---\nlabel: ch07-ex1\n---\nAsk.\n```\n\n```{solution} ch07-ex1\nTell.\n```")
+    assert "**Exercise 7.1**\n\nAsk." in yaml_options and "Solution to Exercise 7.1" in yaml_options
     # A lab's exercises are numbered after its name, as in the book: Exercise 5b.1.
     assert "**Exercise 5b.1**" in convert(text, name="05b_lab.ipynb")
     with pytest.raises(colab_edition.EditionError, match="refers to no exercise"):
