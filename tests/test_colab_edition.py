@@ -12,6 +12,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
+# The citations are read with pybtex, which comes with the book's tools (requirements.txt).
+pytest.importorskip("pybtex", reason="pybtex is not installed: pip install -r requirements.txt")
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "book" / "_ext"))
