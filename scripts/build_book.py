@@ -8,9 +8,13 @@ The normal build is exactly `jupyter-book build . -W -n --keep-going`: every Sph
 reports all of them before failing. Notebooks are not executed (`execute_notebooks: "off"` in
 _config.yml); the book shows the outputs committed with them.
 
-The student build is the same book with sphinx-exercise's `hide_solutions: true`: it writes a
-temporary copy of _config.yml with that one setting changed and passes it with `--config`, so
-_config.yml stays the single source of configuration.
+The student build is the same book with sphinx-exercise's `hide_solutions: true` and
+`mpgpt_student_edition: true` (its Colab links and launch buttons open colab/student/, the Colab
+edition without solutions, and its download button gives that notebook): it writes a temporary
+copy of _config.yml with those settings changed and passes it with `--config`, so _config.yml
+stays the single source of configuration. Both builds serve the Colab edition of each chapter as
+its download (book/_ext/colab_edition_links.py); `python scripts/colab_edition.py` regenerates the
+committed colab/ folder that Colab opens.
 
 Options: --path-output DIR puts the build under DIR/_build/html instead; --all rebuilds every
 page (no incremental build); extra arguments after `--` go to jupyter-book unchanged.
@@ -45,6 +49,8 @@ def student_config(source: Path, folder: Path) -> Path:
     config["sphinx"] = sphinx
     sphinx_config = sphinx.get("config") or {}
     sphinx_config["hide_solutions"] = True
+    # Colab buttons, "Open in Colab" links and downloads give colab/student/ (book/_ext/colab_edition_links.py).
+    sphinx_config["mpgpt_student_edition"] = True
     sphinx["config"] = sphinx_config
     # local_extensions paths are relative to the config file, which now lives elsewhere.
     local = sphinx.get("local_extensions") or {}

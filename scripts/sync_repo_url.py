@@ -5,7 +5,9 @@ lives and which release the book was rendered from: `branch` is a release tag `v
 the package's version (tests/test_notebook_conventions.py checks that). The Colab launch buttons of
 the book read them directly; this script copies them into
   - each notebook's install cell (its first code cell, rewritten whole from `install_cell`),
-  - each notebook's "Open in Colab" links (https://colab.research.google.com/github/OWNER/REPO/blob/BRANCH/...),
+  - each notebook's "Open in Colab" links, which open the notebook's Colab edition
+    (https://colab.research.google.com/github/OWNER/REPO/blob/BRANCH/colab/NAME.ipynb, written by
+    scripts/colab_edition.py: plain Markdown instead of MyST),
   - the `git clone URL` and `git+URL` commands in book/*.md.
 
 Usage (from the repository root):
@@ -25,7 +27,20 @@ ROOT = Path(__file__).resolve().parents[1]
 COLAB_LINK = re.compile(
     r"https://colab\.research\.google\.com/github/(?P<owner>[^/\s)\"']+)/(?P<repo>[^/\s)\"']+)"
     r"/blob/(?P<branch>[^/\s)\"']+)/")
+# A link that opens a chapter on Colab, at notebooks/NAME.ipynb (the MyST source) or colab/NAME.ipynb.
+COLAB_NOTEBOOK_LINK = re.compile(COLAB_LINK.pattern + r"(?:notebooks|colab)/(?P<name>[\w.-]+\.ipynb)")
 GIT_URL_IN_PROSE = re.compile(r"(?P<head>git clone |git\+)https://github\.com/[^/\s)\"'`]+/[^/\s)\"'`]+")
+
+
+# Where Colab opens a chapter: its Colab edition (scripts/colab_edition.py writes both folders).
+COLAB_FOLDER = "colab"            # colab/NAME.ipynb: plain Markdown, solutions folded in <details>
+STUDENT_FOLDER = "colab/student"  # colab/student/NAME.ipynb: the same without the solutions
+
+
+def colab_url(owner: str, repo: str, branch: str, name: str, student: bool = False) -> str:
+    """The Colab link that opens notebooks/NAME's Colab edition (the student one with student=True)."""
+    folder = STUDENT_FOLDER if student else COLAB_FOLDER
+    return f"https://colab.research.google.com/github/{owner}/{repo}/blob/{branch}/{folder}/{name}"
 
 
 def repository_settings(config_path: Path = ROOT / "_config.yml") -> tuple[str, str, str, str]:
@@ -43,16 +58,32 @@ def repository_settings(config_path: Path = ROOT / "_config.yml") -> tuple[str, 
 
 def install_cell(url: str, branch: str) -> str:
     """The first code cell of every chapter: installs the course package at the book's release if
-    it is missing, then prints in one line what is installed and where it runs."""
+    it is missing, then prints in one line what is installed and where it runs. When pip fails
+    (no network, or the release is not published), it shows pip's output and ends with one line
+    that says what failed and what to do instead; IPython shows that line without a traceback."""
     version = branch[1:] if re.fullmatch(r"v\d+\.\d+\.\d+", branch) else branch
     return f'''# Installs the course package at the release this book was written for, if it is missing (Colab).
 COURSE_VERSION = "{version}"
+COURSE_REPOSITORY = "{url}"
 try:
     import mpgpt
 except ImportError:
     import subprocess, sys
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
-                           f"mpgpt[notebooks] @ git+{url}@v{{COURSE_VERSION}}"])
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                          f"mpgpt[notebooks] @ git+{{COURSE_REPOSITORY}}@v{{COURSE_VERSION}}"],
+                         capture_output=True, text=True)
+    if pip.returncode != 0:
+        print(pip.stdout + pip.stderr, file=sys.stderr)
+
+        class InstallFailed(Exception):
+            def _render_traceback_(self):  # IPython shows this one line instead of a traceback
+                return [f"InstallFailed: {{self}}"]
+
+        raise InstallFailed(
+            f"pip could not install mpgpt {{COURSE_VERSION}} from {{COURSE_REPOSITORY}} (tag v{{COURSE_VERSION}}; "
+            f"pip's output is above). Instead, clone the repository (git clone {{COURSE_REPOSITORY}}), run "
+            f"pip install -e '.[notebooks]' in the clone, restart the kernel and run this cell again; or, "
+            f"once the release is on PyPI, pip install 'mpgpt[notebooks]=={{COURSE_VERSION}}'.")
     import mpgpt
 print(mpgpt.about(COURSE_VERSION))'''
 
@@ -62,6 +93,7 @@ INSTALL_TAGS = ["remove-cell"]  # hidden in the rendered book: it is plumbing, n
 
 def sync_text(text: str, url: str, owner: str, repo: str, branch: str, *, code: bool) -> str:
     """Rewrite the repository URL pieces in one cell's (or page's) text."""
+    text = COLAB_NOTEBOOK_LINK.sub(lambda m: colab_url(owner, repo, branch, m["name"]), text)
     text = COLAB_LINK.sub(f"https://colab.research.google.com/github/{owner}/{repo}/blob/{branch}/", text)
     if code:  # the install cell is rewritten whole by sync_notebook
         return text

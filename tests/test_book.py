@@ -22,13 +22,23 @@ from pathlib import Path
 
 import pytest
 import yaml
-from bs4 import BeautifulSoup
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import build_book  # noqa: E402
+import sync_repo_url  # noqa: E402
+
+
+def BeautifulSoup(markup, parser):  # noqa: N802 - bs4's name, imported only by the tests that parse HTML
+    """bs4.BeautifulSoup, imported when first needed: a machine without bs4 (a GPU box that only runs
+    the package tests) can still collect this file; the tests that parse HTML skip there with a reason."""
+    try:
+        from bs4 import BeautifulSoup as soup
+    except ImportError:
+        pytest.skip("beautifulsoup4 is not installed: pip install -r requirements.txt")
+    return soup(markup, parser)
 
 CHROMIUM = os.environ.get("MPGPT_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -155,6 +165,69 @@ def test_student_edition_hides_solutions_and_keeps_exercises(book_html, student_
     assert n_solutions > 0
 
 
+def colab_target(docname: str, student: bool) -> str:
+    """The Colab link of a chapter page: its Colab edition (colab/ or, for students, colab/student/)."""
+    _, owner, repo, branch = sync_repo_url.repository_settings(ROOT / "_config.yml")
+    return sync_repo_url.colab_url(owner, repo, branch, f"{Path(docname).name}.ipynb", student=student)
+
+
+def _colab_links_and_downloads(path: Path) -> tuple[list[str], list[str]]:
+    """The Colab hrefs and the .ipynb download hrefs on a rendered page."""
+    soup = BeautifulSoup(path.read_text(encoding="utf-8"), "html.parser")
+    hrefs = [a["href"] for a in soup.find_all("a", href=True)]
+    colab = [h for h in hrefs if h.startswith("https://colab.research.google.com/")]
+    downloads = [h for h in hrefs if "_sources/" in h and h.split("#")[0].split("?")[0].endswith(".ipynb")]
+    return colab, downloads
+
+
+def test_student_edition_downloads_and_colab_links_hold_no_solution(book_html, student_html):
+    """Every download link and Colab link of the student edition opens a notebook without solutions:
+    the download is the student Colab edition, served from the build; the Colab link opens
+    colab/student/NAME.ipynb, checked here in the committed folder Colab reads it from."""
+    import json
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_colab_edition import leaks
+
+    notebooks = [d for d in toc_docnames() if d.startswith("notebooks/")]
+    problems = []
+    for docname in notebooks:
+        source = ROOT / f"{docname}.ipynb"
+        for html_root, student in ((student_html, True), (book_html, False)):
+            page = html_path(html_root, docname)
+            colab, downloads = _colab_links_and_downloads(page)
+            want = colab_target(docname, student)
+            if not colab:
+                problems.append(f"{page.name}: no Colab link")
+            problems += [f"{docname} ({'student' if student else 'book'}): Colab link {h}, want {want}"
+                         for h in colab if h != want]
+            if not downloads:
+                problems.append(f"{docname} ({'student' if student else 'book'}): no .ipynb download link")
+            for href in downloads:
+                target = (page.parent / href.split("#")[0]).resolve()
+                if not target.is_file():
+                    problems.append(f"{docname}: download {href} does not exist")
+                    continue
+                text = target.read_text(encoding="utf-8")
+                if "{solution}" in text or "{cite}" in text:
+                    problems.append(f"{docname}: the download {href} is raw MyST, not the Colab edition")
+                if student and leaks(text, source):
+                    problems.append(f"{docname}: the student download {href} holds solutions: {leaks(text, source)[:2]}")
+                if not student and not leaks(text, source):
+                    problems.append(f"{docname}: the book's download {href} lost its solutions")
+            if student:
+                relative = want.split(f"/blob/{repository()['branch']}/", 1)[1]
+                opened = ROOT / relative
+                if not opened.is_file():
+                    problems.append(f"{docname}: the student Colab link opens {relative}, which does not exist")
+                else:
+                    text = opened.read_text(encoding="utf-8")
+                    if leaks(text, source) or "<details>" in text or "{solution}" in text:
+                        problems.append(f"{docname}: {relative} holds solutions")
+                    if json.loads(text)["metadata"]["mpgpt"]["edition"] != "colab-student":
+                        problems.append(f"{docname}: {relative} is not the student edition")
+    assert not problems, "\n".join(problems)
+
+
 # --- (c) the browser check ------------------------------------------------------------------
 
 def _need(condition: bool, reason: str):
@@ -275,14 +348,12 @@ def test_page_in_browser(docname, browser, served_book, book_html):
                 problems.append("MathJax reported a TeX error (mjx-merror)")
 
         # Colab: on a notebook page every Colab link (launch button and the notebook's own link)
-        # opens this very notebook from the configured repository and branch.
+        # opens this very notebook's Colab edition (colab/NAME.ipynb) from the configured
+        # repository and branch.
         colab = [h for h in page.eval_on_selector_all("a[href]", "els => els.map(a => a.href)")
                  if h.startswith("https://colab.research.google.com/")]
         if docname.startswith("notebooks/"):
-            repo = repository()
-            owner_repo = repo["url"].rstrip("/").removeprefix("https://github.com/")
-            want = (f"https://colab.research.google.com/github/{owner_repo}/blob/{repo['branch']}/"
-                    f"{docname}.ipynb")
+            want = colab_target(docname, student=False)
             assert colab, f"{docname}: no Colab launch link"
             problems += [f"Colab link {h} should be {want}" for h in colab if h != want]
             launch = page.locator(f'.dropdown-launch-buttons a[href="{want}"], a.btn[href="{want}"]')

@@ -98,7 +98,8 @@ def problems_of(path: Path) -> list[str]:
     intro = "\n".join(c.source for c in cells[: next((i for i, c in enumerate(cells) if c.cell_type == "code"), len(cells))])
     if not re.search(r"^## Learning objectives\s*\n+(\s*[-*] .+\n?)+", intro, re.MULTILINE):
         problems.append("no `## Learning objectives` heading followed by bullets before the first code cell")
-    own = f"https://colab.research.google.com/github/{OWNER}/{REPO}/blob/{BRANCH}/notebooks/{path.name}"
+    # Colab opens the notebook's Colab edition (plain Markdown; scripts/colab_edition.py).
+    own = sync_repo_url.colab_url(OWNER, REPO, BRANCH, path.name)
     if f"[Open in Colab]({own})" not in intro:
         problems.append(f"no `[Open in Colab]({own})` link before the first code cell")
     for cell in cells:
@@ -249,3 +250,46 @@ def test_exercises_are_numbered_per_chapter():
     assert env.toc_fignumbers["notebooks/08_scaling_out"]["figure"] == {"f": (3,)}, "only exercises are renumbered"
     assert env.toc_fignumbers["book/setup"]["exercise"] == {"x": (27,)}, "pages that are not chapters keep the count"
     assert sorted(changed) == ["notebooks/01_number_formats", "notebooks/08_scaling_out"]
+
+
+# --- the install cell when pip fails ------------------------------------------------------------
+
+def _run_install_cell(monkeypatch, returncode: int, stderr: str = ""):
+    """Execute the install cell as if mpgpt were missing, with pip faked; return (pip calls, namespace)."""
+    import subprocess
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd)
+        if returncode == 0:  # the install "worked": the package becomes importable again
+            monkeypatch.delitem(sys.modules, "mpgpt")
+        return subprocess.CompletedProcess(cmd, returncode, stdout="", stderr=stderr)
+
+    monkeypatch.setitem(sys.modules, "mpgpt", None)  # `import mpgpt` raises ImportError
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    namespace = {}
+    exec(compile(INSTALL_CELL, "install-cell", "exec"), namespace)
+    return calls, namespace
+
+
+def test_install_cell_installs_the_release_it_names(monkeypatch, capsys):
+    calls, _ = _run_install_cell(monkeypatch, returncode=0)
+    assert len(calls) == 1 and calls[0][1:4] == ["-m", "pip", "install"], calls
+    assert calls[0][-1] == f"mpgpt[notebooks] @ git+{URL}@{BRANCH}", calls
+    assert "mpgpt" in capsys.readouterr().out
+
+
+def test_install_cell_failure_says_what_failed_and_what_to_do(monkeypatch, capsys):
+    """pip fails (no network, or the release is not published): pip's own message is shown, then one
+    line naming what failed and the way out (clone + pip install -e), with no traceback in IPython."""
+    with pytest.raises(Exception) as info:
+        _run_install_cell(monkeypatch, returncode=1, stderr="ERROR: Repository not found.")
+    assert type(info.value).__name__ == "InstallFailed", repr(info.value)
+    message = str(info.value)
+    assert "\n" not in message
+    for part in [f"mpgpt {BRANCH[1:]}", URL, f"git clone {URL}", "pip install -e '.[notebooks]'",
+                 "restart the kernel", "PyPI"]:
+        assert part in message, f"{part!r} missing from: {message}"
+    assert "ERROR: Repository not found." in capsys.readouterr().err, "pip's own message must be shown"
+    # IPython renders an exception with _render_traceback_ as the lines it returns: one line here.
+    assert info.value._render_traceback_() == [f"InstallFailed: {message}"]
