@@ -32,3 +32,11 @@ def signature(model) -> dict:
         "fused_embedding": _fn(getattr(model, "fused_embedding", None)),
         "blocks": blocks,
     }
+
+
+def old_rows() -> dict:
+    """The training benchmark's rows as the hand-written table once expanded them (tests/data), by name."""
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(__file__).parent / "data" / "train_configs_before.json").read_text(encoding="utf-8"))

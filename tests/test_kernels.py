@@ -1757,6 +1757,7 @@ def test_gpu_tiny_gpt_trains_like_nn_linear():
     10-step gap measured 0.052 nats, with TritonLinear's run the lower one. We require every
     10-step mean within 0.1 nats, TritonLinear's last 10 steps no worse than nn.Linear's + 0.02,
     and the loss well below ln(V). A wrong gradient leaves the loss near ln(V) = 4.2: gaps of nats."""
+    from mpgpt.fast import convert
     from mpgpt.model import GPT, GPTConfig
 
     torch.manual_seed(0)
@@ -1772,7 +1773,7 @@ def test_gpu_tiny_gpt_trains_like_nn_linear():
         torch.manual_seed(1)
         model = GPT(cfg).cuda()
         if use_triton:
-            model.use_triton(True)
+            convert(model, triton="all")
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         g = torch.Generator().manual_seed(2)
         losses = []
@@ -1803,5 +1804,5 @@ def test_triton_linear_refuses_a_second_derivative():
     x = torch.randn(5, 16, device=DEVICE, requires_grad=True)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
         y = layer(x)
-    with pytest.raises(RuntimeError, match=r"TritonLinear computes first derivatives only.*use_triton\(False\)"):
+    with pytest.raises(RuntimeError, match=r"TritonLinear computes first derivatives only.*fast\.convert\(model\)"):
         torch.autograd.grad(y.float().sum(), x, create_graph=True)

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from mpgpt.kernels import env, gelu, mlp, ws
-from mpgpt.model import GPT, GPTConfig
+from mpgpt.fast import convert
+from mpgpt.model import GPT, MLP, GPTConfig
 from compile_check import assert_compiles_like_eager
 from test_model import assert_same_loss_and_gradients
 
@@ -205,45 +206,45 @@ def small_model(dtype, **overrides):
     return GPT(cfg).to(DEVICE).to(dtype)
 
 
-def test_use_triton_mlp_keeps_the_parameters_and_the_gradients():
-    """layers="mlp": every nn.Linear stays (same Parameter objects, same state_dict keys), each
+def test_convert_mlp_keeps_the_parameters_and_the_gradients():
+    """triton="mlp": every nn.Linear stays (same Parameter objects, same state_dict keys), each
     MLP runs through gelu_mlp, and a bf16 model's loss and gradients match the unfused model's
     to bf16 accuracy (1e-2 on the loss, 3e-2 on each gradient, as test_model's layers="gelu"
-    test argues); enable=False restores the unfused MLP."""
+    test argues); converting back restores the unfused MLP."""
     torch.manual_seed(4)
     ref = small_model(torch.bfloat16)
     model = small_model(torch.bfloat16)
     model.load_state_dict(ref.state_dict())
     keys, ids = list(model.state_dict()), [id(p) for p in model.parameters()]
-    model.use_triton(layers="mlp")
+    convert(model, triton="mlp")
     assert all(block.mlp.fused is mlp.gelu_mlp for block in model.transformer.h)
     assert all(type(block.mlp.c_fc) is torch.nn.Linear for block in model.transformer.h)
-    # From the Triton layers too: layers="mlp" swaps every TritonLinear back to nn.Linear.
-    model.use_triton(layers="all").use_triton(layers="mlp")
+    # From the Triton layers too: triton="mlp" swaps every TritonLinear back to nn.Linear.
+    convert(convert(model, triton="all"), triton="mlp")
     for block in model.transformer.h:
         assert type(block.attn.c_attn) is torch.nn.Linear and type(block.mlp.c_fc) is torch.nn.Linear
         assert isinstance(block.mlp.act, torch.nn.GELU) and block.mlp.fused is mlp.gelu_mlp
     assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == ids
     assert_same_loss_and_gradients(ref, model, DEVICE)
-    model.use_triton(enable=False)
-    assert all(block.mlp.fused is None for block in model.transformer.h)
+    convert(model)
+    assert all(type(block.mlp) is MLP for block in model.transformer.h)
     # The weight gradients' kernel travels with the fused MLP, and only with it.
-    model.use_triton(layers="mlp+qkv", weight_grad_kernel="streamk")
+    convert(model, triton="mlp+qkv", weight_grad_kernel="streamk")
     assert all(block.mlp.fused.func is mlp.gelu_mlp and block.mlp.fused.keywords == {"weight_grad_kernel": "streamk"}
                for block in model.transformer.h)
     with pytest.raises(ValueError, match="applies to the fused MLP"):
-        model.use_triton(layers="all", weight_grad_kernel="streamk")
+        convert(model, triton="all", weight_grad_kernel="streamk")
     with pytest.raises(ValueError, match="must be one of"):
-        model.use_triton(layers="mlp", weight_grad_kernel="fast")
+        convert(model, triton="mlp", weight_grad_kernel="fast")
     # ... and so does where GELU's backward runs (on the CPU the same ops either way: this checks
     # the wiring; the GPU tests below check the kernel).
-    model.use_triton(layers="mlp", gelu_backward="epilogue")
+    convert(model, triton="mlp", gelu_backward="epilogue")
     assert all(block.mlp.fused.keywords == {"gelu_backward": "epilogue"} for block in model.transformer.h)
     assert_same_loss_and_gradients(ref, model, DEVICE)
     with pytest.raises(ValueError, match="gelu_backward: applies to the fused MLP"):
-        model.use_triton(layers="gelu", gelu_backward="epilogue")
+        convert(model, triton="gelu", gelu_backward="epilogue")
     with pytest.raises(ValueError, match="gelu_backward must be one of"):
-        model.use_triton(layers="mlp", gelu_backward="fused")
+        convert(model, triton="mlp", gelu_backward="fused")
 
 
 def test_the_fused_mlp_compiles_into_one_graph():
@@ -279,8 +280,8 @@ def test_the_fused_mlp_compiles_into_one_graph():
 
 
 def test_layers_must_be_named():
-    with pytest.raises(ValueError, match="'all', 'gelu' .*'mlp' .* or 'mlp\\+qkv'"):
-        small_model(torch.float32).use_triton(layers="attention")
+    with pytest.raises(ValueError, match="'all', 'gelu', 'mlp', 'mlp\\+qkv'"):
+        convert(small_model(torch.float32), triton="attention")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -89,7 +89,9 @@ def test_the_fused_layers_ask_for_their_parameters_dtype(bias_dtype, monkeypatch
         for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1] in ("ln_1", "ln_2", "ln_f", "c_attn", "c_fc"):
                 module.bias = torch.nn.Parameter(module.bias.detach().to(bias_dtype))
-    model.set_fused_layer_norm(True).use_triton(layers="mlp+qkv")
+    from mpgpt.fast import convert
+
+    convert(model, fused_ln=True, triton="mlp+qkv")
     asked = {"layer norm": [], "gelu": [], "merge": []}
     for module, name, key in ((layernorm, "ln_backward_impl", "layer norm"), (mlp, "gelu_backward_impl", "gelu"),
                               (qkv, "merge_heads_impl", "merge")):

@@ -215,7 +215,7 @@ class _TiedEmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_x0, d_w):
-        first_derivative_only("set_fused_embedding", "GPT.set_fused_embedding(False)")
+        first_derivative_only("the fused embedding", "mpgpt.fast.convert(model)")
         (idx,) = ctx.saved_tensors
         n_pos, wpe_dtype = ctx.meta
         # d_w comes from the output layer's backward alone (the view is used nowhere else), so it is

@@ -23,7 +23,7 @@ that one last sum over contiguous memory finishes and rounds into the parameters
 dx'_res, write dx', once each.
 
 Where the branch's last matmul left its bias b out and the add puts it in, x' = x + (branch + b)
-(`residual_layer_norm`'s branch_bias; GPT.set_fused_layer_norm(bias_in_add=True) does this with
+(`residual_layer_norm`'s branch_bias; mpgpt.fast.convert(model, fused_ln=True, bias_in_add=True) does this with
 c_proj's biases), b's gradient is dx' summed over the rows. With SUM_DX the kernel keeps that sum
 too, from dx' in fp32 before it is rounded, as a third table for the same last launch; the
 reduction the matmul's bias would have needed over the same (M, C) gradient is gone.
@@ -361,7 +361,7 @@ class _ResidualLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        first_derivative_only("set_fused_layer_norm", "GPT.set_fused_layer_norm(False)")
+        first_derivative_only("the fused LayerNorm", "mpgpt.fast.convert(model)")
         x2, mean, rstd, weight = ctx.saved_tensors
         shape, x_dt, branch_dt, w_dt, b_dt, bb_dt = ctx.meta
         d_res, dy = grads if branch_dt is not None else (None, grads[0])

@@ -110,7 +110,7 @@ class _TritonLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        first_derivative_only("TritonLinear", "GPT.use_triton(False)")
+        first_derivative_only("TritonLinear", "mpgpt.fast.convert(model)")
         x2, w_lp, saved = ctx.saved_tensors
         dtype = w_lp.dtype
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)  # (M, out)

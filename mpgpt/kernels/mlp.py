@@ -179,7 +179,7 @@ class _GeluMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        first_derivative_only("use_triton(layers='mlp')", "GPT.use_triton(False)")
+        first_derivative_only("the fused MLP (triton='mlp')", "mpgpt.fast.convert(model)")
         x2, w_fc_lp, w_proj_lp, y, z = ctx.saved_tensors
         (x_shape, x_dtype), (w_fc_dt, b_fc_dt, w_proj_dt, b_proj_dt) = ctx.shapes, ctx.dtypes
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(w_proj_lp.dtype).contiguous()  # dOut: (M, C)

@@ -76,7 +76,7 @@ class _QKVFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        first_derivative_only("use_triton(layers='mlp+qkv')", "GPT.use_triton(False)")
+        first_derivative_only("the fused attention input (triton='mlp+qkv')", "mpgpt.fast.convert(model)")
         x2, w_lp = ctx.saved_tensors
         x_shape, x_dtype, w_dt, b_dt = ctx.meta
         dq, dk, dv = (g.to(w_lp.dtype) for g in (dq, dk, dv))
