@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mpgpt.results import find_record
+
 __all__ = ["Recipe", "Token", "TOKENS", "ALIASES", "parse", "explain", "main"]
 
 
@@ -37,8 +39,36 @@ class Token:
     file: str             # the code that implements it
     chapter: str          # the chapter that teaches it
     needs: str = ""       # "", "cuda" (a CUDA GPU), "triton" (Triton's kernels on a CUDA GPU), "sm90" (Hopper)
-    effect: str = ""      # measured effect, as the record shows it
-    record: str = ""      # the record (mpgpt/records or benchmarks/records) that shows it
+    # (record, row with the token, row without it): the record whose two rows, run together, show the
+    # token's effect ("record:section" where the rows are not the record's top-level ones). The
+    # effect is read from the record when asked for (Token.effect), never copied here.
+    measured: tuple = ()
+
+    @property
+    def record(self) -> str:
+        return self.measured[0].split(":")[0] if self.measured else ""
+
+    def effect(self) -> str:
+        """The step-speed ratio of the two rows (> 1: the token makes the step faster), as the
+        record shows it; empty where no record isolates the token."""
+        if not self.measured:
+            return ""
+        where, row, against = self.measured
+        name, _, section = where.partition(":")
+        record = find_record(name)
+        if record is None:
+            return f"record {name} (in the repository's benchmarks/records)"
+        ms = _median_ms(record.get(section, record) if section else record)
+        return f"{ms[against] / ms[row]:.3f}x the step speed of {against} (record {name})"
+
+
+def _median_ms(record: dict) -> dict:
+    """config -> the median of its rows' median step times (a record may time a row more than once)."""
+    times = {}
+    for row in record.get("rows", []):
+        if "error" not in row and row.get("ms_per_step_median"):
+            times.setdefault(row["config"], []).append(row["ms_per_step_median"])
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
 # Inductor settings some tokens put in force while the step compiles and runs (torch._inductor.config).
@@ -54,16 +84,28 @@ def ln_split(rows: int) -> dict:
 _PRECISIONS = {
     "fp32": Token({"precision": "fp32"}, "fp32 weights and math", "mpgpt/precision.py", "3"),
     "tf32": Token({"precision": "tf32"}, "fp32 with TF32 tensor-core matmuls (sm_80+)", "mpgpt/precision.py", "3",
-                  needs="cuda"),
-    "bf16": Token({"precision": "bf16"}, "bf16 autocast, fp32 weights", "mpgpt/precision.py", "3"),
+                  needs="cuda",
+        measured=("train-h200", "tf32",
+                  "fp32")),
+    "bf16": Token({"precision": "bf16"}, "bf16 autocast, fp32 weights", "mpgpt/precision.py", "3",
+        measured=("train-h200", "bf16",
+                  "fp32")),
     "fp16": Token({"precision": "fp16", "scaler": "dynamic"}, "fp16 autocast with the package's dynamic loss scaler",
-                  "mpgpt/scaling.py", "5"),
+                  "mpgpt/scaling.py", "5",
+        measured=("train-h200", "fp16",
+                  "fp32")),
     "fp16-gradscaler": Token({"precision": "fp16", "scaler": "gradscaler"}, "fp16 autocast with torch's GradScaler",
-                             "mpgpt/scaling.py", "5"),
+                             "mpgpt/scaling.py", "5",
+        measured=("train-h200", "fp16-gradscaler",
+                  "fp32")),
     "bf16-master": Token({"precision": "bf16-master"}, "a bf16 model with fp32 master weights (O2)",
-                         "mpgpt/precision.py", "3"),
+                         "mpgpt/precision.py", "3",
+        measured=("train-peers-optim16-h200", "bf16-master+compile+fused-ce+fused-clip+step-graph+no-mix-order",
+                  "bf16+compile+fused-ce+fused-clip+step-graph+no-mix-order")),
     "bf16-nobias": Token({"precision": "bf16", "bias": False}, "bf16 on a model without biases (= bf16+nobias)",
-                         "mpgpt/model.py", "7"),
+                         "mpgpt/model.py", "7",
+        measured=("train-h200", "bf16+compile-nobias",
+                  "bf16+compile")),
     "bf16-nobias-noclip": Token({"precision": "bf16", "bias": False, "clip": False},
                                 "nanoGPT's bench.py step: bf16, no biases, no clipping (= bf16+nobias+noclip)",
                                 "mpgpt/model.py", "7"),
@@ -72,55 +114,99 @@ _PRECISIONS = {
 TOKENS = {
     **_PRECISIONS,
     "nobias": Token({"bias": False}, "no biases in Linear and LayerNorm layers (nanoGPT's bench model)",
-                    "mpgpt/model.py", "7"),
+                    "mpgpt/model.py", "7",
+        measured=("train-h200", "bf16+compile-nobias",
+                  "bf16+compile")),
     "noclip": Token({"clip": False}, "no gradient clipping", "mpgpt/trainer.py", "2"),
     "checkpointing": Token({"checkpointing": True}, "activation checkpointing: each block recomputed in backward",
-                           "mpgpt/model.py", "7"),
-    "compile": Token({"compile": "default"}, "torch.compile the model", "mpgpt/trainer.py", "7"),
-    "compile-nobias": Token({"compile": "default", "bias": False}, "= compile+nobias", "mpgpt/trainer.py", "7"),
+                           "mpgpt/model.py", "7",
+        measured=("train-h200", "bf16+checkpointing",
+                  "bf16")),
+    "compile": Token({"compile": "default"}, "torch.compile the model", "mpgpt/trainer.py", "7",
+        measured=("train-h200", "bf16+compile",
+                  "bf16")),
+    "compile-nobias": Token({"compile": "default", "bias": False}, "= compile+nobias", "mpgpt/trainer.py", "7",
+        measured=("train-h200", "bf16+compile-nobias",
+                  "bf16+compile")),
     "compile-max-autotune": Token({"compile": "max-autotune-no-cudagraphs"},
                                   "torch.compile, autotuning every matmul against Inductor's templates",
-                                  "mpgpt/trainer.py", "7", needs="cuda"),
+                                  "mpgpt/trainer.py", "7", needs="cuda",
+        measured=("train-profile-h200:max_autotune_run", "bf16+compile-max-autotune+fused-ce+fused-clip",
+                  "bf16+compile+fused-ce+fused-clip")),
     "cudagraphs": Token({"compile": "reduce-overhead"}, "torch.compile's CUDA graphs (mode reduce-overhead)",
-                        "mpgpt/trainer.py", "7", needs="cuda"),
+                        "mpgpt/trainer.py", "7", needs="cuda",
+        measured=("train-h200", "bf16+compile+cudagraphs",
+                  "bf16+compile")),
     "all-nobias": Token({"compile": "reduce-overhead", "bias": False, "chunked_loss": 2048, "attention": "cudnn"},
                         "= cudagraphs+nobias+chunked-loss+cudnn-attn", "mpgpt/trainer.py", "7", needs="cuda"),
-    "cudnn-attn": Token({"attention": "cudnn"}, "SDPA with cuDNN's fused attention first", "mpgpt/model.py", "7"),
+    "cudnn-attn": Token({"attention": "cudnn"}, "SDPA with cuDNN's fused attention first", "mpgpt/model.py", "7",
+        measured=("train-h200", "bf16+compile+cudnn-attn",
+                  "bf16+compile")),
     "chunked-loss": Token({"chunked_loss": 2048}, "output layer + loss 2048 rows at a time, never the full logits",
-                          "mpgpt/fused_loss.py", "7"),
+                          "mpgpt/fused_loss.py", "7",
+        measured=("train-h200", "bf16+compile+chunked-loss",
+                  "bf16+compile")),
     "fused-ce": Token({"fused_loss": True}, "output layer + loss in one Triton pass over the bf16 logits",
-                      "mpgpt/kernels/cross_entropy.py", "7", needs="triton"),
+                      "mpgpt/kernels/cross_entropy.py", "7", needs="triton",
+        measured=("train-ladder-h200", "bf16+compile+fused-ce",
+                  "bf16+compile")),
     "fused-clip": Token({"fused_clip": True}, "gradient clipping inside torch's fused AdamW",
-                        "mpgpt/trainer.py", "7", needs="cuda"),
+                        "mpgpt/trainer.py", "7", needs="cuda",
+        measured=("train-ladder-h200", "bf16+compile+fused-ce+fused-clip",
+                  "bf16+compile+fused-ce")),
     "cd-tuning": Token({"inductor": CD_TUNING}, "Inductor's coordinate-descent tuning of its kernels",
                        "mpgpt/bench/training.py", "7"),
     "no-mix-order": Token({"inductor": NO_MIX_ORDER}, "Inductor's mix-order LayerNorm backward off",
-                          "mpgpt/bench/training.py", "7"),
+                          "mpgpt/bench/training.py", "7",
+        measured=("train-ladder-h200", "bf16+compile+fused-ce+fused-clip+step-graph+no-mix-order",
+                  "bf16+compile+fused-ce+fused-clip+step-graph")),
     "ln-split<N>": Token({}, "Inductor's LayerNorm-backward partial sums, one row per N rows",
                          "mpgpt/bench/training.py", "7"),
     "step-graph": Token({"cuda_graph": True}, "the whole step (forward, backward, clip, AdamW) as one CUDA graph",
-                        "mpgpt/graph_step.py", "7", needs="cuda"),
+                        "mpgpt/graph_step.py", "7", needs="cuda",
+        measured=("train-ladder-h200", "bf16+compile+fused-ce+fused-clip+step-graph",
+                  "bf16+compile+fused-ce+fused-clip")),
     "optim16": Token({"optim16": "fp32-master"}, "a bf16 model trained by the fused 16-bit AdamW, fp32 masters",
-                     "mpgpt/optim16.py", "10"),
+                     "mpgpt/optim16.py", "10",
+        measured=("train-peers-optim16-h200", "bf16+compile+fused-ce+optim16+step-graph+no-mix-order",
+                  "bf16+compile+fused-ce+fused-clip+step-graph+no-mix-order")),
     "optim16-mantissa": Token({"optim16": "bf16-mantissa"},
                               "as optim16, the master kept as the bf16 weight's 16 missing bits",
-                              "mpgpt/optim16.py", "10"),
+                              "mpgpt/optim16.py", "10",
+        measured=("train-ladder-h200", "bf16+compile+fused-ce+optim16-mantissa+step-graph+no-mix-order",
+                  "bf16+compile+fused-ce+fused-clip+step-graph+no-mix-order")),
     "triton": Token({"triton": "all"}, "the blocks' nn.Linear layers as TritonLinear, GELU in c_fc's epilogue",
-                    "mpgpt/kernels/linear.py", "6", needs="triton"),
+                    "mpgpt/kernels/linear.py", "6", needs="triton",
+        measured=("train-triton-rows-h100", "bf16+compile+triton",
+                  "bf16+compile")),
     "triton-gelu": Token({"triton": "gelu"}, "only mlp.c_fc as a TritonLinear, GELU in its epilogue",
-                         "mpgpt/kernels/linear.py", "6", needs="triton"),
+                         "mpgpt/kernels/linear.py", "6", needs="triton",
+        measured=("train-triton-gelu-h200", "bf16+compile+fused-ce+optim16+triton-gelu+step-graph+no-mix-order",
+                  "bf16+compile+fused-ce+optim16+step-graph+no-mix-order")),
     "triton-mlp": Token({"triton": "mlp"}, "each MLP as one function, GELU fused into c_fc's product",
-                        "mpgpt/kernels/mlp.py", "7", needs="triton"),
+                        "mpgpt/kernels/mlp.py", "7", needs="triton",
+        measured=("train-ladder-h200", "bf16+compile+fused-ce+optim16-mantissa+triton-mlp+step-graph+no-mix-order",
+                  "bf16+compile+fused-ce+optim16-mantissa+step-graph+no-mix-order")),
     "triton-mlp-qkv": Token({"triton": "mlp+qkv"}, "as triton-mlp, and c_attn with the head split and its backward",
-                            "mpgpt/kernels/qkv.py", "7", needs="triton"),
+                            "mpgpt/kernels/qkv.py", "7", needs="triton",
+        measured=("train-ladder-h200", "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+step-graph+no-mix-order",
+                  "bf16+compile+fused-ce+optim16-mantissa+triton-mlp+step-graph+no-mix-order")),
     "fused-ln": Token({"fused_ln": True}, "each residual add with its LayerNorm, the backward in one pass",
-                      "mpgpt/kernels/layernorm.py", "7", needs="triton"),
+                      "mpgpt/kernels/layernorm.py", "7", needs="triton",
+        measured=("train-ladder-h200", "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+step-graph+no-mix-order",
+                  "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+step-graph+no-mix-order")),
     "bias-in-add": Token({"bias_in_add": True}, "c_proj's biases added in the fused residual add",
-                         "mpgpt/fast/model.py", "7", needs="triton"),
+                         "mpgpt/fast/model.py", "7", needs="triton",
+        measured=("train-peers-ln-pipelined-h100", "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+bias-in-add+fused-emb+gelu-epilogue+step-graph+no-mix-order",
+                  "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+fused-emb+gelu-epilogue+step-graph+no-mix-order")),
     "fused-emb": Token({"fused_emb": True}, "the tied embedding's gradient added into the output layer's in place",
-                       "mpgpt/kernels/embedding.py", "7", needs="triton"),
+                       "mpgpt/kernels/embedding.py", "7", needs="triton",
+        measured=("train-peers-emb-h200", "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+fused-emb+step-graph+no-mix-order",
+                  "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+step-graph+no-mix-order")),
     "gelu-epilogue": Token({"gelu_epilogue": True}, "GELU's backward in the epilogue of the MLP's dOut W_proj",
-                           "mpgpt/kernels/ws.py", "7", needs="sm90"),
+                           "mpgpt/kernels/ws.py", "7", needs="sm90",
+        measured=("train-peers-dgelu-h100", "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+fused-emb+gelu-epilogue+step-graph+no-mix-order",
+                  "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+fused-emb+step-graph+no-mix-order")),
     "streamk-dw": Token({"mlp_dw": "streamk"}, "the fused MLP's weight gradients on the stream-K kernel",
                         "mpgpt/kernels/streamk.py", "7", needs="sm90"),
 }
@@ -286,8 +372,9 @@ def explain(text: str) -> str:
         t = _token(token)
         needs = f"; needs {_NEEDS[t.needs]}" if t.needs else ""
         lines.append(f"  {token:<{width}}  {t.what}{needs}")
-        lines.append(f"  {'':<{width}}  {t.file}, chapter {t.chapter}"
-                     + (f"; measured: {t.effect} (record {t.record})" if t.effect else ""))
+        lines.append(f"  {'':<{width}}  {t.file}, chapter {t.chapter}")
+        if t.measured:
+            lines.append(f"  {'':<{width}}  measured: {t.effect()}")
     return "\n".join(lines)
 
 

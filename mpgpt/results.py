@@ -169,3 +169,16 @@ def write_result(kind: str, payload: dict, out_dir=None, tag: str | None = None,
     tmp.write_text(json.dumps({"environment": env, **payload}, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+# The records no chapter loads stay in the repository, outside the wheel (benchmarks/README.md).
+REPOSITORY_RECORDS_DIR = RECORDS_DIR.parents[1] / "benchmarks" / "records"
+
+
+def find_record(name: str) -> dict | None:
+    """A record by name: one shipped with the package, else one in a repository checkout's
+    benchmarks/records; None where this copy of the package has neither (a wheel)."""
+    if name in RECORDS:
+        return load_record(name)
+    path = REPOSITORY_RECORDS_DIR / f"{name}.json"
+    return load_result(path) if re.fullmatch(_NAME, name) and path.is_file() else None
