@@ -21,7 +21,6 @@ setup cell shows.
 """
 from __future__ import annotations
 
-import os
 import platform
 from dataclasses import dataclass
 
