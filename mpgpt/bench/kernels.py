@@ -455,8 +455,8 @@ def bench_dgelu_epilogue(M=12288, C=768):
 # beside its default, (64, 4, 4) with the loads pipelined three iterations ahead. At GPT-2's 12288
 # rows (64, 4, 4) makes 192 programs, (32, 4, 4) 384. Without the pipeline, compiled ahead of time for
 # sm_90 with a launch's specialisations (Triton 3.6), 16, 32 or 64 rows a program take 168 registers a
-# thread (three 4-warp programs per multiprocessor) and 24, 40, 48 or 56 rows 190 (two): 46.1 against
-# 43.1 us for (48, 4, 4) and (32, 4, 4) (record kernels-layer-norm-h200); with it, 207 (two). The
+# thread (three 4-warp programs per multiprocessor) and 24, 40, 48 or 56 rows 190 (two); with it,
+# 207 (two). The
 # "two-pass" kernel holds (BLOCK_M, 256) tiles instead of whole rows: 72 registers a thread, so up to
 # seven programs share a multiprocessor.
 LAYER_NORM_CONFIGS = [(32, 4, 4), (64, 4, 4), (48, 4, 4, "whole-rows", 2), (64, 4, 4, "whole-rows", 2),

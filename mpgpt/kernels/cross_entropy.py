@@ -3,7 +3,7 @@
 GPT-2's output layer scores 12,288 positions (batch 12 x 1024) against 50,304 tokens: 618M logits,
 1.24 GB in bf16. Written with torch ops (``F.cross_entropy(logits.float(), ...)``) and compiled, the
 loss reduces them in the forward pass, keeps them for the backward pass, and reads them again there
-to recompute the softmax (1.7-1.8 ms per step on an H200, benchmarks/NOTES-train.md). llm.c's fused
+to recompute the softmax. llm.c's fused
 classifier instead computes the loss *and* the logits' gradient in the forward pass, over the 16-bit
 logits, and overwrites the logits with that gradient. This module does the same:
 

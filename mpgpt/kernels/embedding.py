@@ -9,8 +9,7 @@ the final hidden states against every token (the output layer). Its gradient is 
 
 Autograd adds them as two dense matrices. Under torch.compile the embedding's part is a scatter into
 a zero-filled fp32 (V, C) matrix, which is then added to the output layer's: for GPT-2 at 12 x 1024
-tokens on the H200, 0.17 ms a step in five kernels (record train-profile-epilogue-h200), of which
-the zero fill and the addition move about 540 MB, for at most 12,288 of the 50,304 rows.
+tokens the zero fill and the addition move about 540 MB, for at most 12,288 of the 50,304 rows.
 
 `embedding_grad_into_` adds the embedding's part into dW_head where it lies, touching only the rows
 of tokens that occur:

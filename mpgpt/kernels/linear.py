@@ -79,7 +79,7 @@ class _TritonLinearFunction(torch.autograd.Function):
     low-precision copy saved by forward, the parameters' own dtypes for their gradients), so the
     autocast state cannot change what it computes. And the pair has costs: custom_bwd builds a
     torch.autocast context on every backward call (host time, though too little to stand out of
-    the host's run-to-run noise on an H100 machine: benchmarks/NOTES-kernels.md, section 11),
+    the host's run-to-run noise),
     and under torch.compile the pair makes Dynamo fail ("Global autocast state changed while
     dynamo tracing"), which had needed a second copy of this class without it."""
 

@@ -68,11 +68,10 @@ KERNELS = ("auto", "grouped", "tma", "ws", "streamk")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 # kernel="auto": a product whose automatic split-K is at least this stays on the grouped kernel,
-# which can split K; below it the TMA kernel runs unsplit. Measured on the H200
-# (benchmarks/linear_probe.py, graph replay, GPT-2 layers at 12288 tokens): dX on TMA
-# 78 / 29 / 105 / 102 us against 94 / 35 / 120 / 119 on the grouped kernel; dW on TMA unsplit 75 us
-# against 96 split 3 ways (c_attn) and 128-131 either way for the MLP (split 2), but 65 against
-# 44 split 8 ways for attn.c_proj's 768 x 768 output.
+# which can split K; below it the TMA kernel runs unsplit. Chosen by measurement on Hopper
+# (benchmarks/linear_probe.py, graph replay, GPT-2's layers at 12288 tokens): the TMA kernel wins
+# every dX and the weight gradients split fewer than 4 ways; the grouped kernel wins attn.c_proj's
+# 768 x 768 weight gradient, split 8 ways.
 SPLIT_K_OVER_TMA = 4
 
 
@@ -129,10 +128,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     return out
 
 
-# Keys (accepted_key) of argument combinations that _check accepted. Host time: on an H100
-# machine a repeated matmul() call at attn.c_proj's shape cost 58 us of host time, of which
-# _matmul_2d took 32 and the output's allocation 5; the rest was _check, its meta-device stand-in
-# and the output's view (NOTES-kernels.md, section 7). The key takes a fraction of _check's time.
+# Keys (accepted_key) of argument combinations that _check accepted, so a repeated call skips
+# _check and its meta-device stand-in, a large share of a small product's host time. The key takes
+# a fraction of _check's time.
 _ACCEPTED: set = set()
 MAX_ACCEPTED = 4096
 

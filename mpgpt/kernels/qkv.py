@@ -9,8 +9,7 @@ into heads. The backward pass receives dq, dk, dv from the attention kernel and 
     dW = d_qkv^T x,  dx = d_qkv W                cuBLAS
 
 where autograd, compiled or not, would copy the three gradients into d_qkv and then read d_qkv
-again for db (two passes: 49.2 us against the one pass's 41.1 us per layer at GPT-2's shape on the
-H200; benchmarks/NOTES-train.md). db is summed in fp32 from the same bf16 values, then rounded
+again for db (two passes where heads.py takes one). db is summed in fp32 from the same bf16 values, then rounded
 once to the bias's dtype, where autocast's backward rounds it to bf16 first.
 
 Dtypes follow the fused MLP (mlp.py): autocast's dtype under autocast, a bf16/fp16 model's own

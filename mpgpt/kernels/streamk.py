@@ -36,7 +36,7 @@ Hopper (sm_90) only, like the TMA kernel; the interpreter runs it too, on fp32 c
 operands (it stores bf16 as raw 16-bit integers, so its arithmetic on bf16 tiles is wrong).
 `matmul(..., kernel="streamk")` runs it; `kernel="auto"` does not choose it: measured on an H200 at
 GPT-2's weight-gradient shapes it was no faster than the TMA kernel, and slower than cuBLAS
-(record kernels-grads-h200; benchmarks/NOTES-kernels.md, section 8, has the numbers). Evening out
+(measured: record kernels-grads-h200). Evening out
 the last wave was not what those products needed.
 """
 from __future__ import annotations
