@@ -207,8 +207,6 @@ TOKENS = {
                            "mpgpt/kernels/ws.py", "7", needs="sm90",
         measured=("train-peers-dgelu-h100", "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+fused-emb+gelu-epilogue+step-graph+no-mix-order",
                   "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+fused-emb+step-graph+no-mix-order")),
-    "streamk-dw": Token({"mlp_dw": "streamk"}, "the fused MLP's weight gradients on the stream-K kernel",
-                        "mpgpt/kernels/streamk.py", "7", needs="sm90"),
 }
 
 _FASTEST = ("bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+bias-in-add+fused-emb+gelu-epilogue"
@@ -219,6 +217,13 @@ _FASTEST_NOBIAS = ("bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+fus
 ALIASES = {
     "fastest": _FASTEST,                # the fastest step with GPT-2's biases
     "fastest-nobias": _FASTEST_NOBIAS,  # the fastest step on nanoGPT's bias-free model
+}
+
+# Tokens that left the package because they did not pay: a name that holds one still parses to a
+# one-line answer that says so.
+RETIRED = {
+    "streamk-dw": "the stream-K kernel for the MLP's weight gradients was slower than cuBLAS (record "
+                  "kernels-grads-h200) and left the package; git history keeps it",
 }
 
 _LN_SPLIT = re.compile(r"ln-split(\d+)")
@@ -240,7 +245,6 @@ class Recipe:
     checkpointing: bool = False
     chunked_loss: int = 0
     triton: str | None = None         # mpgpt.fast.TRITON_LAYERS
-    mlp_dw: str | None = None         # the fused MLP's weight-gradient kernel (None: cuBLAS)
     gelu_epilogue: bool = False
     fused_loss: bool = False
     fused_clip: bool = False
@@ -263,7 +267,7 @@ class Recipe:
 
     def convert_options(self) -> dict:
         """The keyword arguments of mpgpt.fast.convert for this recipe's model."""
-        return dict(triton=self.triton, weight_grad_kernel=self.mlp_dw or "cublas",
+        return dict(triton=self.triton,
                     gelu_backward="epilogue" if self.gelu_epilogue else "pass", chunked_loss=self.chunked_loss,
                     fused_loss=self.fused_loss, fused_ln=self.fused_ln, bias_in_add=self.bias_in_add,
                     fused_emb=self.fused_emb)
@@ -292,7 +296,7 @@ class Recipe:
                    clip=self.clip, fused_loss=self.fused_loss)
         for key, value in (("fused_clip", self.fused_clip), ("inductor", dict(self.inductor)),
                            ("cuda_graph", self.cuda_graph), ("optim16", self.optim16), ("fused_ln", self.fused_ln),
-                           ("mlp_dw", self.mlp_dw), ("fused_emb", self.fused_emb),
+                           ("fused_emb", self.fused_emb),
                            ("gelu_epilogue", self.gelu_epilogue), ("bias_in_add", self.bias_in_add)):
             if value:
                 out[key] = value
@@ -334,6 +338,8 @@ def parse(text: str) -> Recipe:
         if split:
             inductor.update(ln_split(int(split.group(1))))
             continue
+        if token in RETIRED:
+            raise ValueError(f"recipe token {token!r} in {text!r}: {RETIRED[token]}; drop +{token}")
         if token not in TOKENS:
             raise ValueError(f"unknown recipe token {token!r} in {text!r}; python -m mpgpt.recipe --list shows them")
         if token in _PRECISIONS and i > 0:
@@ -351,7 +357,6 @@ def _check(r: Recipe, text: str) -> None:
     fused_mlp = r.triton in ("mlp", "mlp+qkv")
     problems = [
         (r.gelu_epilogue and not fused_mlp, "gelu-epilogue needs the fused MLP: add +triton-mlp or +triton-mlp-qkv"),
-        (r.mlp_dw and not fused_mlp, "streamk-dw needs the fused MLP: add +triton-mlp or +triton-mlp-qkv"),
         (r.bias_in_add and not r.fused_ln, "bias-in-add adds the biases in the fused residual add: add +fused-ln"),
         (r.fused_loss and r.chunked_loss, "fused-ce and chunked-loss are two ways to compute one loss: keep one"),
         (r.optim16 and r.precision != "bf16", "optim16 trains a bf16 model: start the recipe with bf16"),

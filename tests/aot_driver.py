@@ -26,7 +26,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from mpgpt.kernels import (adamw16, cross_entropy, embedding, fp8_matmul, gelu, grouped, heads, layernorm,  # noqa: E402
-                           partials, streamk)
+                           partials)
 
 POINTERS = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "z_ptr"]
 INTS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
@@ -159,34 +159,6 @@ def compile_embedding(cc: int, dtype: str, kernel: str) -> dict:
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=warps))
     return {"shared": compiled.metadata.shared}
-
-
-def compile_streamk(kernel: str) -> dict:
-    """The stream-K kernel (sm_90) at its GPU tiles, as a weight gradient calls it (A transposed,
-    B row-major, bf16 in, fp32 out), and its fixup."""
-    constexprs = dict(NUM_PROGRAMS=132, BLOCK_M=streamk.BLOCK_M, BLOCK_N=streamk.BLOCK_N, BLOCK_K=streamk.BLOCK_K,
-                      GROUP_M=streamk.GROUP_M)
-    if kernel == "streamk":
-        fn, options = streamk.streamk_kernel, dict(num_warps=streamk.NUM_WARPS, num_stages=streamk.NUM_STAGES)
-        constexprs |= dict(A_T=True, B_T=False)
-        signature = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*fp32", part_ptr="*fp32",
-                         **{n: "i32" for n in ("M", "N", "K", "stride_a", "stride_b", "stride_cm", "stride_cn")})
-    else:
-        fn, options = streamk.streamk_fixup_kernel, {}
-        signature = dict(part_ptr="*fp32", c_ptr="*fp32", **{n: "i32" for n in ("M", "N", "K", "stride_cm", "stride_cn")})
-    signature |= {name: "constexpr" for name in constexprs}
-    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    ptx = compiled.asm["ptx"]
-    return {"shared": compiled.metadata.shared, **instructions(ptx), "tma_loads": ptx.count("cp.async.bulk.tensor")}
-
-
-COLUMN_SUM_KERNELS = ("gelu_backward_bias", "merge_heads", "layer_norm", "layer_norm_sum_dx", "layer_norm_two_pass",
-                      "sum_partials")
-
-
-FP8_POINTERS = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32",
-                "out_scale_ptr": "*fp32", "amax_ptr": "*fp32"}
 
 
 def compile_fp8(cc: int, kernel: str) -> dict:
@@ -346,10 +318,6 @@ def main(targets) -> dict:
         for name in ("embedding_tails", "embedding_add"):
             out["results"].append({"cc": cc, "kernel": name, "dtype": dtype, "config": "gpu default",
                                    **attempt(compile_embedding, cc, dtype, name)})
-    # The stream-K weight-gradient kernel and its fixup (Hopper).
-    for name in ("streamk", "streamk_fixup"):
-        out["results"].append({"cc": 90, "kernel": name, "dtype": "bf16", "config": "gpu default",
-                               **attempt(compile_streamk, name)})
     # What bf16 does below sm_80 depends on the Triton version: recorded, not assumed.
     out["results"].append({"cc": 75, "kernel": "matmul", "dtype": "bf16", "config": "fixed",
                            **attempt(compile_matmul, 75, "bf16", grouped.FIXED["sm75"])})

@@ -114,9 +114,9 @@ def test_under_autocast_fp32_parameters_get_fp32_gradients(backward_path):
         assert rel_err(t.grad, ref) < TOL, f"{name}: {rel_err(t.grad, ref):.2e}"
 
 
-def test_the_weight_gradients_on_streamk(monkeypatch):
-    """weight_grad_kernel="streamk": the MLP's two weight gradients go through the package's matmul
-    on the stream-K kernel (both calls seen, with that kernel), straight into the fp32 parameters'
+def test_the_weight_gradients_on_a_package_kernel(monkeypatch):
+    """weight_grad_kernel="tma": the MLP's two weight gradients go through the package's matmul
+    on that kernel (both calls seen, with that kernel), straight into the fp32 parameters'
     dtype, and every gradient still matches float64 as the cuBLAS path's do. (On a GPU other than
     sm_90, or a product it cannot read, ops.matmul falls back to `auto`.)"""
     if env.TRITON_IMPORT_ERROR is not None:
@@ -130,10 +130,10 @@ def test_the_weight_gradients_on_streamk(monkeypatch):
     w_fc, b_fc, w_proj, b_proj = params(C, torch.float32)
     x = torch.randn(96, C, device=DEVICE, requires_grad=True)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
-        out = mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, weight_grad_kernel="streamk")
+        out = mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, weight_grad_kernel="tma")
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
-    assert asked == [("streamk", torch.float32)] * 2, asked  # d_w_proj, then d_w_fc
+    assert asked == [("tma", torch.float32)] * 2, asked  # d_w_proj, then d_w_fc
     lp = [t.detach().to(torch.bfloat16) for t in (x, w_fc, b_fc, w_proj, b_proj)]
     _, ref_grads = float64_reference(*lp, grad_out)
     for name, t, ref in zip(("x", "w_fc", "b_fc", "w_proj", "b_proj"), (x, w_fc, b_fc, w_proj, b_proj), ref_grads):
@@ -229,11 +229,11 @@ def test_convert_mlp_keeps_the_parameters_and_the_gradients():
     convert(model)
     assert all(type(block.mlp) is MLP for block in model.transformer.h)
     # The weight gradients' kernel travels with the fused MLP, and only with it.
-    convert(model, triton="mlp+qkv", weight_grad_kernel="streamk")
-    assert all(block.mlp.fused.func is mlp.gelu_mlp and block.mlp.fused.keywords == {"weight_grad_kernel": "streamk"}
+    convert(model, triton="mlp+qkv", weight_grad_kernel="tma")
+    assert all(block.mlp.fused.func is mlp.gelu_mlp and block.mlp.fused.keywords == {"weight_grad_kernel": "tma"}
                for block in model.transformer.h)
     with pytest.raises(ValueError, match="applies to the fused MLP"):
-        convert(model, triton="all", weight_grad_kernel="streamk")
+        convert(model, triton="all", weight_grad_kernel="tma")
     with pytest.raises(ValueError, match="must be one of"):
         convert(model, triton="mlp", weight_grad_kernel="fast")
     # ... and so does where GELU's backward runs (on the CPU the same ops either way: this checks
@@ -270,9 +270,9 @@ def test_the_fused_mlp_compiles_into_one_graph():
         t.grad = None
     _, backward_code = assert_compiles_like_eager(step_epi, leaves, leaves)
     assert "mpgpt.product_gelu_backward" in backward_code and "mpgpt.gelu_backward_bias" not in backward_code
-    if env.TRITON_IMPORT_ERROR is None:  # the weight gradients on stream-K: two more operator nodes
+    if env.TRITON_IMPORT_ERROR is None:  # the weight gradients on a package kernel: two more operator nodes
         def step_sk(x, w_fc, b_fc, w_proj, b_proj):
-            return mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, weight_grad_kernel="streamk").float().square().sum()
+            return mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, weight_grad_kernel="tma").float().square().sum()
         for t in leaves:
             t.grad = None  # the first check left eager's gradients in place
         _, backward_code = assert_compiles_like_eager(step_sk, leaves, leaves)

@@ -73,6 +73,10 @@ def test_each_old_row_is_rebuilt_exactly(name):
     """The row's settings as the old table spelled them, and the model the converter builds has the
     same layers, fused functions and switches as the old model methods made, in the old order."""
     want = old_rows()[name]
+    if "+streamk-dw" in name:  # a token that did not pay and left: refused in one line that says so
+        with pytest.raises(ValueError, match="left the package; git history keeps it; drop \\+streamk-dw"):
+            parse(name)
+        return
     r = parse(name)
     assert r.settings() == want["settings"]
     fields = r.train_config()

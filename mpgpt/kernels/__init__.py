@@ -12,7 +12,6 @@ The package, one file per idea:
     grouped.py   the teaching kernel: grouped tile order, split-K, the interpreter path
     tma.py       Hopper's persistent TMA kernel
     ws.py        Hopper's warp-specialised Gluon kernel (128 x 192 tiles)
-    streamk.py   Hopper's stream-K kernel: few output tiles with a long K, shared out evenly (weight gradients)
     launch.py    repeating a launch without Triton's Python launch path
     matmul.py    the public matmul, and plan(): which kernel runs, and why
     gelu.py      GELU's backward in one pass

@@ -43,7 +43,7 @@ from .matmul import ACTIVATIONS, checked_2d
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # The matmul kernels (matmul.KERNELS) of the two gradient products: "auto", or a kernel to use
-# wherever it can run ("auto" elsewhere: ops.matmul_impl decides), e.g. "streamk" for dW = dZ^T @ X
+# wherever it can run ("auto" elsewhere: ops.matmul_impl decides), e.g. "tma" for dW = dZ^T @ X
 # and "ws" for dX = dZ @ W. Read at every backward pass, so the kernel benchmark can time the layer
 # each way.
 INPUT_GRAD_KERNEL = "auto"

@@ -13,7 +13,7 @@ runs GPT-2's c_fc product close to cuBLAS (measured: record kernels-h200):
                dZ = dH * gelu'(Z), db_fc = sum_rows dZ  one Triton pass (gelu.py) on a GPU; or both
                                                         lines in one launch (gelu_backward="epilogue")
                the weight gradients and dx              cuBLAS (the weight gradients: or, with
-                                                        weight_grad_kernel="streamk", streamk.py)
+                                                        weight_grad_kernel, a kernel of matmul.py)
 
 Unfused, GELU's backward and c_fc's bias gradient are two passes (Inductor's pointwise kernel,
 then a column reduction that reads dZ again). `gelu_backward_bias` sums the columns while each tile
@@ -142,7 +142,7 @@ def check_gelu_backward(where: str) -> str:
 def _weight_grad(a: Tensor, b: Tensor, out_dtype: torch.dtype, kernel: str) -> Tensor:
     """a @ b for a weight gradient, (out, tokens) @ (tokens, in). kernel "cublas": torch's matmul
     in a's dtype, then cast (what nn.Linear's backward does under autocast); otherwise that kernel
-    of mpgpt.kernels.matmul (e.g. "streamk", where it can run), which writes out_dtype straight
+    of mpgpt.kernels.matmul (e.g. "tma", where it can run), which writes out_dtype straight
     from its fp32 sums."""
     if kernel == "cublas" or env.TRITON_IMPORT_ERROR is not None:
         return (a @ b).to(out_dtype)

@@ -74,7 +74,7 @@ def operand_descriptors(a_ptr, b_ptr, M, N, K, stride_a, stride_b, A_T: tl.const
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Device-built TMA descriptors of A (M, K) and B (K, N) as they lie in memory: each may hold
     its transpose, row-major (A_T: A's memory is (K, M); B_T: B's memory is (N, K)), with a box
-    of one tile. Shared by this kernel and the stream-K kernel (streamk.py)."""
+    of one tile."""
     if A_T:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1],
                                            block_shape=[BLOCK_K, BLOCK_M])
