@@ -161,6 +161,14 @@ def compile_embedding(cc: int, dtype: str, kernel: str) -> dict:
     return {"shared": compiled.metadata.shared}
 
 
+COLUMN_SUM_KERNELS = ("gelu_backward_bias", "merge_heads", "layer_norm", "layer_norm_sum_dx", "layer_norm_two_pass",
+                      "sum_partials")
+
+
+FP8_POINTERS = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32",
+                "out_scale_ptr": "*fp32", "amax_ptr": "*fp32"}
+
+
 def compile_fp8(cc: int, kernel: str) -> dict:
     """The fp8 GEMM with an fp8 output, rowwise scales and promotion (every epilogue branch that
     runs on a GPU): the pointer kernel with its smallest configuration (it must fit an L4), or the
