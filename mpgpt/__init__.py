@@ -19,7 +19,7 @@ it). Each module's docstring names the chapter that teaches it.
     model        GPTConfig and GPT, the fp32 reference model; peak FLOP/s, MFU    chapters 2, 7
     fp8          saturating fp8 casts, scaling recipes, scaled matmul, Fp8Linear  chapter 9
     kernels      Triton matmul kernels, plan(), TritonLinear                      chapter 6
-    fast         convert(): the fast path applied to the reference model          chapters 6, 7
+    fast         convert() and the GPT-2 fused kernels, applied from outside       chapters 6, 7
     recipe       recipe names (bf16+compile+...) -> settings; the one table        chapters 3-10
     trainer      TrainConfig, History, Trainer: the step, the loop, checkpoints   chapters 2-5
     distributed  DDP / FSDP2 on top of the trainer, rank-agreed overflow          chapter 8

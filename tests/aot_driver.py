@@ -25,8 +25,8 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from mpgpt.kernels import (adamw16, cross_entropy, embedding, fp8_matmul, gelu, grouped, heads, layernorm,  # noqa: E402
-                           partials)
+from mpgpt.fast import cross_entropy, embedding, heads, layernorm  # noqa: E402
+from mpgpt.kernels import adamw16, fp8_matmul, gelu, grouped, partials  # noqa: E402
 
 POINTERS = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "z_ptr"]
 INTS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
@@ -219,7 +219,7 @@ def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False, nar
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime import driver
 
-    from mpgpt.kernels import fp8_ws, ws
+    from mpgpt.kernels.hopper import fp8_ws, ws
     driver.set_active(_Sm90Driver())   # left active: this child process compiles, it never launches
     n = 4096
     if kernel == "fp8_ws":
@@ -297,7 +297,7 @@ def main(targets) -> dict:
     out["results"].append({"cc": 90, "kernel": "fp8_matmul_tma", "dtype": "fp8", "config": "first",
                            **attempt(compile_fp8, 90, "fp8_matmul_tma")})
     # The warp-specialised Gluon kernels (Hopper only), where this Triton has Gluon.
-    from mpgpt.kernels import fp8_ws
+    from mpgpt.kernels.hopper import fp8_ws
     if fp8_ws.WS_FP8_IMPORT_ERROR is None:
         for name in ("ws", "fp8_ws"):
             out["results"].append({"cc": 90, "kernel": name, "dtype": "fp8" if name == "fp8_ws" else "bf16",

@@ -122,7 +122,7 @@ def test_the_fastest_list_is_the_aliases_and_the_baseline():
 def test_the_gelu_epilogue_rows_differ_from_their_twins_only_there_and_build_that_mlp():
     """The two "+gelu-epilogue" rows are the "+fused-emb" rows with and without biases plus GELU's
     backward in the epilogue of dOut W_proj, and the trainer they build runs each MLP that way."""
-    from mpgpt.kernels import mlp
+    from mpgpt.fast import mlp
     rows = [name for name in old_rows() if "+gelu-epilogue" in name and "+bias-in-add" not in name]
     assert len(rows) == 2 and any("nobias" in name for name in rows), rows
     for name in rows:
@@ -179,7 +179,8 @@ def test_every_swept_tile_configuration_computes_the_right_result():
     small fresh inputs with edges in both dimensions (rows not a multiple of ROWS, columns not a
     multiple of the column block), against torch's ops in fp32."""
     from mpgpt.bench import kernels as kb
-    from mpgpt.kernels import gelu, heads, layernorm
+    from mpgpt.kernels import gelu
+    from mpgpt.fast import heads, layernorm
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g, z = torch.randn(150, 1100, device=device), 3 * torch.randn(150, 1100, device=device)
@@ -235,7 +236,8 @@ def test_the_partials_part_times_the_tables_the_kernels_leave(monkeypatch):
     kernels hand to sum_partials at their GPU tiles (on the GPU, or in the interpreter without one; at
     a small size with rows that do not fill the last row group)."""
     from mpgpt.bench import kernels as kb
-    from mpgpt.kernels import gelu, heads, layernorm, partials
+    from mpgpt.kernels import gelu, partials
+    from mpgpt.fast import heads, layernorm
 
     seen = []
     real = partials.sum_partials

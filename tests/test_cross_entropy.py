@@ -1,4 +1,4 @@
-"""The fused linear + cross-entropy (mpgpt.kernels.cross_entropy) against float64 references.
+"""The fused linear + cross-entropy (mpgpt.fast.cross_entropy) against float64 references.
 
 Without a GPU the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set by mpgpt), so the
 sizes are small. The tolerances are derived from the rounding the fused path does, not tuned:
@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from mpgpt import runtime
-from mpgpt.kernels import cross_entropy as ce
-from mpgpt.kernels.cross_entropy import cross_entropy_rows_, fused_linear_cross_entropy, linear_cross_entropy_op
+from mpgpt.fast import cross_entropy as ce
+from mpgpt.fast.cross_entropy import cross_entropy_rows_, fused_linear_cross_entropy, linear_cross_entropy_op
 from mpgpt.fast import convert
 from mpgpt.model import GPT, GPTConfig
 from mpgpt.recipe import parse

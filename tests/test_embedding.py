@@ -1,4 +1,4 @@
-"""The tied embedding's gradient added into the output layer's (mpgpt.kernels.embedding): the kernels
+"""The tied embedding's gradient added into the output layer's (mpgpt.fast.embedding): the kernels
 against float64 over runs of one token that span many tiles, the same bits on every run, untouched
 rows left as they were; and the model option against the unfused model, eager and traced."""
 import re
@@ -19,7 +19,7 @@ def _kernels():
         pytest.skip(why)
     if DEVICE == "cpu" and not kenv.interpreting():
         pytest.skip("CPU tensors run the kernels in Triton's interpreter, which is off where a GPU is")
-    from mpgpt.kernels import embedding
+    from mpgpt.fast import embedding
 
     return embedding
 

@@ -27,7 +27,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from mpgpt import kernels
-from mpgpt.kernels import TritonLinear, env, gelu_tanh_grad, grouped, launch, matmul, plan, tma, ws
+from mpgpt.kernels import TritonLinear, env, gelu_tanh_grad, grouped, launch, matmul, plan
+from mpgpt.kernels.hopper import tma, ws
 
 mm = importlib.import_module("mpgpt.kernels.matmul")  # the module (the package re-exports the function)
 
@@ -474,7 +475,8 @@ def test_column_sum_kernels_launch_within_cuda_grid_limits(monkeypatch):
     """GELU's backward with the bias sums and the head merge put one program per row group: with
     millions of rows (a layer of small width over a long batch) that must stay a grid CUDA can
     launch. The interpreter enforces no limit, so the grid is checked, not run."""
-    from mpgpt.kernels import gelu, heads
+    from mpgpt.kernels import gelu
+    from mpgpt.fast import heads
     M = 70_000 * 128  # more row groups than 65535 at the GPU's and the interpreter's ROWS
     spy = _GridSpy()
     monkeypatch.setattr(gelu, "_gelu_backward_bias_kernel", spy)
@@ -732,9 +734,9 @@ def test_operators_have_no_python_layer_at_the_autograd_key():
     of every call (about 15 us of host time a call on an H100 machine, 100-200 calls a compiled
     step). Every per-layer operator the package uses must be registered that way: a kernel for
     CPU and CUDA alike (CompositeExplicitAutograd), none at the Autograd key, and a fake."""
-    import mpgpt.kernels.layernorm  # noqa: F401  (each module registers its operators on import)
-    import mpgpt.kernels.mlp  # noqa: F401
-    import mpgpt.kernels.qkv  # noqa: F401
+    import mpgpt.fast.layernorm  # noqa: F401  (each module registers its operators on import)
+    import mpgpt.fast.mlp  # noqa: F401
+    import mpgpt.fast.qkv  # noqa: F401
     from mpgpt.kernels import library
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -217,7 +217,7 @@ def test_the_reference_model_imports_nothing_of_the_fast_path():
 def test_a_fast_path_import_in_the_model_is_caught():
     edges = dict(graph())
     path, imports = edges["mpgpt.model"]
-    edges["mpgpt.model"] = (path, imports + [("mpgpt.kernels.mlp", 1, False)])
+    edges["mpgpt.model"] = (path, imports + [("mpgpt.fast.mlp", 1, False)])
     assert "inside a function" in "\n".join(problems(edges))
 
 

@@ -1,4 +1,4 @@
-"""Tests for mpgpt/kernels/layernorm.py: the residual add with its LayerNorm, the backward in one pass.
+"""Tests for mpgpt/fast/layernorm.py: the residual add with its LayerNorm, the backward in one pass.
 
 The reference is torch's LayerNorm in float64 with float64 autograd, on the same (already rounded)
 inputs. The kernel evaluates the formulas in fp32, so in fp32 its gradients agree to fp32 rounding
@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from mpgpt.fast import convert
-from mpgpt.kernels import env, layernorm
+from mpgpt.kernels import env
+from mpgpt.fast import layernorm
 from mpgpt.model import GPT
 from compile_check import assert_compiles_like_eager
 from path_check import assert_took, take_path
@@ -110,7 +111,7 @@ def test_layer_norm_backward_reads_a_strided_weight():
 def test_the_custom_operators_pass_torch_opcheck(path, monkeypatch):
     """torch.library.opcheck: schema, fake (meta) implementation, no aliasing, and the dispatcher's
     other checks, for LayerNorm's backward and the head merge, on both paths."""
-    from mpgpt.kernels import heads, qkv
+    from mpgpt.fast import heads, qkv
     monkeypatch.setattr(layernorm, "_triton_backward", lambda *t: path == "triton")
     monkeypatch.setattr(qkv, "_triton_merge", lambda t: path == "triton")
     x, dy, dres, w, b, mean, rstd = inputs(20, 48, torch.bfloat16)

@@ -1,4 +1,4 @@
-"""Tests for mpgpt/kernels/mlp.py: the MLP with GELU fused into its first matmul.
+"""Tests for mpgpt/fast/mlp.py: the MLP with GELU fused into its first matmul.
 
 The reference is the unfused MLP, gelu(x W_fc^T + b_fc) W_proj^T + b_proj, in float64 on the same
 (already rounded) bf16 inputs and parameters, with its gradients from float64 autograd. What the
@@ -19,7 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mpgpt.kernels import env, gelu, mlp, ws
+from mpgpt.kernels import env, gelu
+from mpgpt.kernels.hopper import ws
+from mpgpt.fast import mlp
 from mpgpt.fast import convert
 from mpgpt.model import GPT, MLP, GPTConfig
 from compile_check import assert_compiles_like_eager

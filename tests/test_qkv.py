@@ -1,4 +1,4 @@
-"""Tests for mpgpt/kernels/heads.py and qkv.py: c_attn with its backward's head merge and bias
+"""Tests for mpgpt/fast/heads.py and qkv.py: c_attn with its backward's head merge and bias
 gradient in one pass.
 
 The merge itself is a copy, so d_qkv must equal torch's concatenation of the three gradients bit
@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from mpgpt.fast import convert
-from mpgpt.kernels import env, heads, qkv
+from mpgpt.kernels import env
+from mpgpt.fast import heads, qkv
 from mpgpt.model import MLP, CausalSelfAttention
 from compile_check import assert_compiles_like_eager
 from path_check import assert_took, take_path

@@ -66,7 +66,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpgpt.kernels import env as kenv
-from mpgpt.kernels import embedding, gelu, grouped, heads, layernorm, linear, partials, tma, ws
+from mpgpt.kernels import gelu, grouped, linear, partials
+from mpgpt.kernels.hopper import tma, ws
+from mpgpt.fast import embedding, heads, layernorm
 from mpgpt.kernels.linear import TritonLinear, gelu_tanh_grad
 from mpgpt.kernels.matmul import matmul, plan
 from mpgpt.results import environment as base_environment
@@ -206,7 +208,7 @@ def bench_fused(kernels, M=12288, K=768, N=3072):
                      "best_config": _tuning(kern, x, w.t(), bias, "gelu")["best_config"]}
     names = list(kernels)
     if ws.gelu_eligible(x, w):
-        # The warp-specialised kernel's GELU epilogue (kernels/mlp.py's forward), which also stores
+        # The warp-specialised kernel's GELU epilogue (fast/mlp.py's forward), which also stores
         # the pre-activation z as the layer keeps it for its backward pass.
         out, _ = ws.gelu_forward(x, w, bias)
         ms = _median_ms(lambda: ws.gelu_forward(x, w, bias))

@@ -20,11 +20,11 @@ import torch.nn as nn
 
 from mpgpt.fast.model import FastAttention, FastGPT, FastMLP
 from mpgpt.kernels import TritonLinear, env, kernels_available
-from mpgpt.kernels.cross_entropy import fused_linear_cross_entropy
-from mpgpt.kernels.embedding import tied_embedding
-from mpgpt.kernels.layernorm import residual_layer_norm
-from mpgpt.kernels.mlp import check_gelu_backward, check_weight_grad_kernel, gelu_mlp
-from mpgpt.kernels.qkv import qkv_heads
+from mpgpt.fast.cross_entropy import fused_linear_cross_entropy
+from mpgpt.fast.embedding import tied_embedding
+from mpgpt.fast.layernorm import residual_layer_norm
+from mpgpt.fast.mlp import check_gelu_backward, check_weight_grad_kernel, gelu_mlp
+from mpgpt.fast.qkv import qkv_heads
 from mpgpt.model import GPT, MLP, CausalSelfAttention
 
 __all__ = ["convert", "to_reference", "TRITON_LAYERS"]
@@ -33,8 +33,8 @@ __all__ = ["convert", "to_reference", "TRITON_LAYERS"]
 TRITON_LAYERS = {
     "all": "every nn.Linear in the blocks becomes a TritonLinear, c_fc with GELU in its epilogue",
     "gelu": "only mlp.c_fc becomes a TritonLinear, GELU in its epilogue",
-    "mlp": "each MLP as one function, GELU fused into c_fc's product (mpgpt.kernels.mlp.gelu_mlp)",
-    "mlp+qkv": "as 'mlp', and each c_attn with the head split (mpgpt.kernels.qkv.qkv_heads)",
+    "mlp": "each MLP as one function, GELU fused into c_fc's product (mpgpt.fast.mlp.gelu_mlp)",
+    "mlp+qkv": "as 'mlp', and each c_attn with the head split (mpgpt.fast.qkv.qkv_heads)",
 }
 
 
@@ -47,11 +47,11 @@ def convert(model: GPT, *, triton: str | None = None, weight_grad_kernel: str = 
     mpgpt.kernels.matmul) and gelu_backward ("pass" or "epilogue": GELU's backward in the epilogue
     of dOut W_proj, sm_90) apply to the fused MLP (triton "mlp" or "mlp+qkv").
     chunked_loss: rows per chunk of the output layer + loss (mpgpt.fused_loss), 0 for full logits.
-    fused_loss: the output layer + loss in one Triton pass over 16-bit logits (kernels/cross_entropy.py).
+    fused_loss: the output layer + loss in one Triton pass over 16-bit logits (fast/cross_entropy.py).
     fused_ln: each residual add with the LayerNorm after it, the backward in one pass
-    (kernels/layernorm.py); bias_in_add: c_proj's biases added in that add, their gradients summed
+    (fast/layernorm.py); bias_in_add: c_proj's biases added in that add, their gradients summed
     by LayerNorm's backward. fused_emb: the tied embedding's gradient added into the output
-    layer's where it lies (kernels/embedding.py). With a fused or chunked loss and targets given,
+    layer's where it lies (fast/embedding.py). With a fused or chunked loss and targets given,
     forward returns ``(None, loss)``.
     """
     _check(model, triton, weight_grad_kernel, gelu_backward, chunked_loss, fused_loss, fused_ln, bias_in_add,

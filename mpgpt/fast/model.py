@@ -5,10 +5,10 @@ same objects, so every Parameter, the state_dict keys and an optimizer built bef
 are) and back. Each class reads the switches the converter set on it and otherwise runs its parent's
 forward pass:
 
-    FastMLP        ``fused``: the MLP as one function of its weights (mpgpt.kernels.mlp.gelu_mlp)
-    FastAttention  ``fused_qkv``: c_attn and the head split (mpgpt.kernels.qkv.qkv_heads)
+    FastMLP        ``fused``: the MLP as one function of its weights (mpgpt.fast.mlp.gelu_mlp)
+    FastAttention  ``fused_qkv``: c_attn and the head split (mpgpt.fast.qkv.qkv_heads)
     FastGPT        ``fused_embedding``, ``fused_layer_norm`` (with ``bias_in_add``), and the loss:
-                   ``fused_loss`` (mpgpt.kernels.cross_entropy) or ``loss_chunk_rows`` (mpgpt.fused_loss)
+                   ``fused_loss`` (mpgpt.fast.cross_entropy) or ``loss_chunk_rows`` (mpgpt.fused_loss)
 
 A fused path never calls the forward of the modules it stands for, so where hooks are registered on
 them (or on every module) the module takes the plain path, or the model refuses in one line.
@@ -40,7 +40,7 @@ def has_hooks(module: nn.Module | None) -> bool:
 class FastAttention(CausalSelfAttention):
     """CausalSelfAttention with c_attn and the head split optionally in one function (``fused_qkv``)."""
 
-    fused_qkv = None  # mpgpt.kernels.qkv.qkv_heads, set by the converter
+    fused_qkv = None  # mpgpt.fast.qkv.qkv_heads, set by the converter
 
     def forward(self, x: torch.Tensor, proj_bias: bool = True) -> torch.Tensor:
         """proj_bias=False leaves c_proj's bias out, for FastGPT's residual add to add (bias_in_add)."""
@@ -63,7 +63,7 @@ class FastAttention(CausalSelfAttention):
 class FastMLP(MLP):
     """The MLP, optionally as one function of its weights (``fused``: GELU fused into c_fc's product)."""
 
-    fused = None  # mpgpt.kernels.mlp.gelu_mlp (or a partial of it with its options), set by the converter
+    fused = None  # mpgpt.fast.mlp.gelu_mlp (or a partial of it with its options), set by the converter
 
     def forward(self, x: torch.Tensor, proj_bias: bool = True) -> torch.Tensor:
         """proj_bias=False leaves c_proj's bias out, as FastAttention.forward does."""
@@ -80,10 +80,10 @@ class FastGPT(GPT):
     """GPT with the fused embedding, residual-add + LayerNorm and output-layer loss the converter switched on."""
 
     loss_chunk_rows = 0        # > 0: output layer + loss that many rows at a time (mpgpt.fused_loss)
-    fused_loss = None          # mpgpt.kernels.cross_entropy.fused_linear_cross_entropy
-    fused_layer_norm = None    # mpgpt.kernels.layernorm.residual_layer_norm
+    fused_loss = None          # mpgpt.fast.cross_entropy.fused_linear_cross_entropy
+    fused_layer_norm = None    # mpgpt.fast.layernorm.residual_layer_norm
     bias_in_add = False        # c_proj's bias added in that residual add
-    fused_embedding = None     # mpgpt.kernels.embedding.tied_embedding
+    fused_embedding = None     # mpgpt.fast.embedding.tied_embedding
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """As GPT.forward; with a fused or chunked loss and targets given, ``(None, loss)``: no full
@@ -127,7 +127,7 @@ class FastGPT(GPT):
     def _blocks_with_fused_layer_norm(self, x: torch.Tensor) -> torch.Tensor:
         """ln_f(blocks(x)), the same sums as Block.forward, regrouped so that each residual add
         meets the LayerNorm that reads its result (the next block's ln_1, or ln_f after the last
-        block): one `mpgpt.kernels.layernorm.residual_layer_norm` per pair."""
+        block): one `mpgpt.fast.layernorm.residual_layer_norm` per pair."""
         add_ln = self.fused_layer_norm
         blocks = self.transformer.h
         # The regrouped loop never calls Block.forward or the LayerNorms' forward. So a module whose

@@ -43,11 +43,12 @@ import torch
 
 from mpgpt.fp8 import E4M3, E5M2, ScaledFp8
 
-from . import env, fp8_ws
+from . import env
+from .hopper import fp8_ws
 from .env import tl, triton
 from .epilogue import tile_coords
 from .launch import autotune_enabled, compiled_launch, lean_launch_enabled
-from .tma import set_allocator
+from .hopper.tma import set_allocator
 
 FP8_DTYPES = {torch.float8_e4m3fn: E4M3, torch.float8_e5m2: E5M2}
 

@@ -58,7 +58,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import env, grouped, launch, tma, ws
+from . import env, grouped, launch
+from .hopper import tma, ws
 
 ACTIVATIONS = (None, "gelu", "relu")
 KERNELS = ("auto", "grouped", "tma", "ws")

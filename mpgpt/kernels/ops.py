@@ -29,7 +29,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import gelu, library, ws
+from . import gelu, library
+from .hopper import ws
 from .matmul import KERNELS, _matmul_2d, _plan_2d
 
 

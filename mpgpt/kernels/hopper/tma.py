@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import torch
 
-from . import env
-from .env import tl, triton
-from .epilogue import bias_act, store_tile, tile_coords
-from .launch import autotune_enabled, compiled_launch
+from .. import env
+from ..env import tl, triton
+from ..epilogue import bias_act, store_tile, tile_coords
+from ..launch import autotune_enabled, compiled_launch
 
 
 # ----------------------------------------------------------------------------------------------

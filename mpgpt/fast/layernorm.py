@@ -63,9 +63,9 @@ from torch import Tensor
 
 from mpgpt.fused_loss import first_derivative_only
 
-from . import env, library, partials
-from .env import tl, triton
-from .linear import _compute_dtype, _op
+from mpgpt.kernels import env, library, partials
+from mpgpt.kernels.env import tl, triton
+from mpgpt.kernels.linear import _compute_dtype, _op
 
 
 @triton.jit

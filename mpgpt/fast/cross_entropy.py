@@ -53,8 +53,8 @@ from torch import Tensor
 
 from mpgpt.fused_loss import first_derivative_only, rescale_summed_grads, save_summed_grads
 
-from . import env
-from .env import tl, triton
+from mpgpt.kernels import env
+from mpgpt.kernels.env import tl, triton
 
 __all__ = ["cross_entropy_rows_", "linear_cross_entropy_op", "fused_linear_cross_entropy"]
 

@@ -45,8 +45,8 @@ from __future__ import annotations
 
 import torch
 
-from . import env
-from .env import TRITON_IMPORT_ERROR, triton
+from .. import env
+from ..env import TRITON_IMPORT_ERROR, triton
 from .ws import _aligned
 
 WS_FP8_IMPORT_ERROR = TRITON_IMPORT_ERROR

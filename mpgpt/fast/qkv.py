@@ -27,8 +27,10 @@ from torch import Tensor
 
 from mpgpt.fused_loss import first_derivative_only
 
-from . import env, heads, library
-from .linear import _compute_dtype, _op
+from mpgpt.kernels import env, library
+from mpgpt.kernels.linear import _compute_dtype, _op
+
+from . import heads
 
 def _triton_merge(t: Tensor) -> bool:
     """Whether the merge runs as the Triton pass here (a module-level function, so tests can switch it)."""

@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import torch
 
-from . import env, partials
-from .env import tl, triton
+from mpgpt.kernels import env, partials
+from mpgpt.kernels.env import tl, triton
 
 
 @triton.jit

@@ -40,9 +40,9 @@ from torch import Tensor
 
 from mpgpt.fused_loss import first_derivative_only
 
-from . import env
-from .env import tl, triton
-from .linear import _op
+from mpgpt.kernels import env
+from mpgpt.kernels.env import tl, triton
+from mpgpt.kernels.linear import _op
 
 __all__ = ["embedding_grad_into_", "embedding_grad_reference", "tied_embedding"]
 

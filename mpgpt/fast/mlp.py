@@ -45,9 +45,10 @@ from torch import Tensor
 
 from mpgpt.fused_loss import first_derivative_only
 
-from . import env, gelu, library, ops, ws
-from .linear import _compute_dtype, _op
-from .matmul import KERNELS
+from mpgpt.kernels import env, gelu, library, ops
+from mpgpt.kernels.hopper import ws
+from mpgpt.kernels.linear import _compute_dtype, _op
+from mpgpt.kernels.matmul import KERNELS
 
 # What may compute the MLP's weight gradients: cuBLAS (torch's matmul), or one of the package's
 # matmul kernels, each of which can read a weight gradient's transposed A (ws through launch_split).
