@@ -1,8 +1,10 @@
 """mpgpt: mixed-precision GPT training from scratch — the package every chapter of the course imports.
 
 Map of the package, in layers: each module imports only from the layers above it in this list,
-runtime from no other mpgpt module, the layer-1 modules (formats to results, optim16 and ddp_by_hand) from runtime at most, and model reaches down to kernels only
-inside GPT.use_triton (fp8 only inside Fp8Linear's fused cast), since Triton is optional (tests/test_layering.py checks all of it). Each module's docstring names the chapter that teaches it.
+runtime from no other mpgpt module, the layer-1 modules (formats to results, optim16 and ddp_by_hand) from runtime at most.
+The reference model imports nothing of the fast path: fast applies it from outside, and recipe and
+fp8 reach it only inside a function, since Triton is optional (tests/test_layering.py checks all of
+it). Each module's docstring names the chapter that teaches it.
 
     runtime      what the device can do: capability, memory, Triton; about()      all
     formats      bit-level views of fp32 / fp16 / bf16 / fp8                      chapter 1
@@ -17,6 +19,8 @@ inside GPT.use_triton (fp8 only inside Fp8Linear's fused cast), since Triton is 
     model        GPTConfig and GPT, the fp32 reference model; peak FLOP/s, MFU    chapters 2, 7
     fp8          saturating fp8 casts, scaling recipes, scaled matmul, Fp8Linear  chapter 9
     kernels      Triton matmul kernels, plan(), TritonLinear                      chapter 6
+    fast         convert() and the GPT-2 fused kernels, applied from outside       chapters 6, 7
+    recipe       recipe names (bf16+compile+...) -> settings; the one table        chapters 3-10
     trainer      TrainConfig, History, Trainer: the step, the loop, checkpoints   chapters 2-5
     distributed  DDP / FSDP2 on top of the trainer, rank-agreed overflow          chapter 8
     train        train() and the `python -m mpgpt.train` command line             chapters 2-5

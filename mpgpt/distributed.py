@@ -140,8 +140,7 @@ def ddp_bucket_mb(cfg: TrainConfig) -> float:
     """DDP's all-reduce bucket size in MB: ``cfg.ddp_bucket_mb``, else 25 eager and 100 compiled.
 
     25 MB is torch's default. Under torch.compile, Dynamo's DDPOptimizer splits the compiled graph
-    at every bucket boundary, so small buckets cost fusion: on two H200s 100 MB buckets gave 1.86x,
-    where the first compiled run with 25 MB buckets gave 1.24x (benchmarks/NOTES-train.md)."""
+    at every bucket boundary, so small buckets cost fusion (measured: record ddp-h200x2-variants)."""
     if cfg.ddp_bucket_mb is not None:
         return float(cfg.ddp_bucket_mb)
     return 100.0 if cfg.compile else 25.0

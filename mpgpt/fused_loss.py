@@ -17,7 +17,7 @@ lift them.
 
 Numerically it is the same computation as ``F.cross_entropy(x @ W^T, targets)``, in a different
 summation order; ``tests/test_fused_loss.py`` checks it against that reference.
-``mpgpt.kernels.cross_entropy`` does the same in one Triton kernel over the 16-bit logits.
+``mpgpt.fast.cross_entropy`` does the same in one Triton kernel over the 16-bit logits.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        first_derivative_only("set_chunked_loss", "GPT.set_chunked_loss(0)")
+        first_derivative_only("the chunked loss", "mpgpt.fast.convert(model)")
         return (*rescale_summed_grads(ctx, grad_out), None, None, None)
 
 
@@ -70,7 +70,7 @@ def first_derivative_only(layer: str, off: str) -> None:
 
 def save_summed_grads(ctx, loss_sum, grad_x, grad_w, targets, x_dtype, w_dtype, n_valid=None):
     """For a loss whose forward pass already computed the gradients of the *summed* loss: keep them
-    and return the mean over the targets that are not -1 (shared with mpgpt.kernels.cross_entropy).
+    and return the mean over the targets that are not -1 (shared with mpgpt.fast.cross_entropy).
     ``n_valid``: that count as a tensor, where the caller has it already."""
     if n_valid is None:
         n_valid = (targets != -1).sum().clamp_min(1)

@@ -1,7 +1,8 @@
 """The GPT model: a decoder-only transformer in fp32, the reference every faster variant is checked against.
 
-Chapter 2 ("The fp32 GPT") explains this module; chapter 6 swaps its linear layers for Triton
-kernels with :meth:`GPT.use_triton`.
+Chapter 2 ("The fp32 GPT") explains this module. It imports nothing of the fast path: the Triton
+layers and fused kernels are applied from outside by ``mpgpt.fast.convert`` (chapters 6 and 7), which
+keeps every parameter and state_dict key, so a checkpoint moves between this model and a converted one.
 
 The architecture is GPT-2's (Radford et al. 2019) as written in Karpathy's nanoGPT (model.py):
 pre-norm blocks (LayerNorm -> causal self-attention -> residual, LayerNorm -> MLP -> residual),
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -27,10 +27,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from mpgpt import runtime
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mpgpt.fused_loss import chunked_linear_cross_entropy
+from mpgpt import runtime
 
 # SDPA's backends with cuDNN's first, for attention="cudnn" (the rest keep their usual order).
 # set_priority arrived in torch 2.6; before it the list only enables backends (all of them here).
@@ -138,43 +137,34 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
-        # GPT.use_triton(layers="mlp+qkv") sets this to mpgpt.kernels.qkv.qkv_heads: c_attn and the
-        # head split below, with the backward's head merge and bias gradient in one pass.
-        self.fused_qkv = None
         # Lower-triangular mask for the "math" path. Not persistent: it is derived from
         # block_size, so state_dicts do not depend on which attention path was used.
         mask = torch.tril(torch.ones(config.block_size, config.block_size, dtype=torch.bool))
         self.register_buffer("causal_mask", mask.view(1, 1, config.block_size, config.block_size), persistent=False)
 
-    def forward(self, x: torch.Tensor, proj_bias: bool = True) -> torch.Tensor:
-        """proj_bias=False leaves c_proj's bias out, for a caller that adds it itself (GPT's fused
-        residual add, set_fused_layer_norm(bias_in_add=True))."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape  # batch, sequence length, channels (n_embd)
-        # The fused form never calls c_attn's forward: with hooks on it (or on every module), take
-        # the plain path so that they run.
-        if self.fused_qkv is not None and not (_has_hooks(self.c_attn) or _has_hooks(None)):
-            q, k, v = self.fused_qkv(x, self.c_attn.weight, self.c_attn.bias, self.n_head)  # 3 x (B, nh, T, hs)
-        else:
-            q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
-            # Split channels into heads and move the head dimension next to the batch.
-            hs = C // self.n_head
-            q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-            k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-            v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-
-        if self.attention != "math":
-            # One fused kernel (flash / memory-efficient attention where available). "cudnn" puts
-            # cuDNN's fused attention first in SDPA's order of preference on CUDA.
-            cudnn_first = self.attention == "cudnn" and q.is_cuda
-            with sdpa_kernel(_CUDNN_FIRST, **_PRIORITY) if cudnn_first else contextlib.nullcontext():
-                y = F.scaled_dot_product_attention(
-                    q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-                )  # (B, nh, T, hs)
-        else:
-            y = self._math_attention(q, k, v, T)  # (B, nh, T, hs)
-
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
+        # Split channels into heads and move the head dimension next to the batch.
+        hs = C // self.n_head
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        y = self.attend(q, k, v)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side: (B, T, C)
-        return self.resid_dropout(self.c_proj(y) if proj_bias else F.linear(y, self.c_proj.weight))  # (B, T, C)
+        return self.resid_dropout(self.c_proj(y))  # (B, T, C)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of q, k, v (B, nh, T, hs) -> (B, nh, T, hs), by the configured path."""
+        if self.attention == "math":
+            return self._math_attention(q, k, v, q.size(2))
+        # One fused kernel (flash / memory-efficient attention where available). "cudnn" puts
+        # cuDNN's fused attention first in SDPA's order of preference on CUDA.
+        cudnn_first = self.attention == "cudnn" and q.is_cuda
+        with sdpa_kernel(_CUDNN_FIRST, **_PRIORITY) if cudnn_first else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            )  # (B, nh, T, hs)
 
     def _math_attention(self, q, k, v, T):
         """softmax(q k^T / sqrt(hs) + causal mask) v, spelled out."""
@@ -201,19 +191,10 @@ class MLP(nn.Module):
         self.act = nn.GELU(approximate="tanh")  # GPT-2's GELU is the tanh approximation
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
-        # GPT.use_triton(layers="mlp") sets this to mpgpt.kernels.mlp.gelu_mlp: the same function
-        # with GELU fused into c_fc's matmul.
-        self.fused = None
 
-    def forward(self, x: torch.Tensor, proj_bias: bool = True) -> torch.Tensor:
-        """proj_bias=False leaves c_proj's bias out, as CausalSelfAttention.forward does."""
-        # The fused form never calls c_fc's, act's or c_proj's forward: with hooks on them (or on
-        # every module), take the plain path so that they run.
-        if self.fused is not None and not any(_has_hooks(m) for m in (self.c_fc, self.act, self.c_proj, None)):
-            return self.dropout(self.fused(x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
-                                           self.c_proj.bias if proj_bias else None))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.act(self.c_fc(x))  # (B, T, 4C)
-        return self.dropout(self.c_proj(x) if proj_bias else F.linear(x, self.c_proj.weight))  # (B, T, C)
+        return self.dropout(self.c_proj(x))  # (B, T, C)
 
 
 class Block(nn.Module):
@@ -230,16 +211,6 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x))  # (B, T, C)
         x = x + self.mlp(self.ln_2(x))  # (B, T, C)
         return x
-
-
-def _has_hooks(module: nn.Module | None) -> bool:
-    """Whether forward or backward hooks are registered on ``module`` (None: on every module)."""
-    _m = nn.modules.module  # where torch keeps the hooks registered for every module
-    if module is None:
-        return bool(_m._global_forward_pre_hooks or _m._global_forward_hooks or _m._global_backward_hooks
-                    or _m._global_backward_pre_hooks)
-    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_hooks
-                or module._backward_pre_hooks)
 
 
 class GPT(nn.Module):
@@ -265,11 +236,6 @@ class GPT(nn.Module):
         # Off by default; see set_activation_checkpointing (a run-time switch, not part of the config,
         # so a checkpoint written with it on resumes with it off and vice versa).
         self.activation_checkpointing = False
-        self.loss_chunk_rows = 0  # 0: full logits; see set_chunked_loss
-        self.fused_loss = None  # the fused Triton loss function when on; see set_fused_loss
-        self.fused_layer_norm = None  # residual add + LayerNorm with a one-pass backward; see set_fused_layer_norm
-        self.bias_in_add = False      # c_proj's bias added in that residual add; see set_fused_layer_norm
-        self.fused_embedding = None  # the tied matrix's two gradients added in one place; see set_fused_embedding
 
         # GPT-2 / nanoGPT initialisation: N(0, 0.02) for weights, zeros for biases...
         self.apply(self._init_weights)
@@ -297,112 +263,30 @@ class GPT(nn.Module):
         vocabulary in 16 bits loses the small probabilities that carry the gradient. Targets
         equal to -1 are ignored.
         """
-        self._check_idx(idx)
-        B, T = idx.shape
-        if self.fused_embedding is not None:
-            # the same sum; the output layer then multiplies by head_weight, the tied matrix as a view
-            x, head_weight = self.fused_embedding(idx, self._tied_weight(), self.transformer.wpe.weight)  # (B, T, C)
-        else:
-            pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
-            tok_emb = self.transformer.wte(idx)  # (B, T, C)
-            pos_emb = self.transformer.wpe(pos)  # (T, C), broadcast over the batch
-            x, head_weight = tok_emb + pos_emb, self.lm_head.weight
-        x = self.transformer.drop(x)  # (B, T, C)
+        self._check_idx(idx, targets)
+        T = idx.size(1)
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+        tok_emb = self.transformer.wte(idx)  # (B, T, C)
+        pos_emb = self.transformer.wpe(pos)  # (T, C), broadcast over the batch
+        x = self.transformer.drop(tok_emb + pos_emb)  # (B, T, C)
         checkpointing = self.activation_checkpointing and self.training and torch.is_grad_enabled()
-        if self.fused_layer_norm is not None and not checkpointing:
-            x = self._blocks_with_fused_layer_norm(x)  # ln_f(blocks(x)): (B, T, C)
-        else:
-            for block in self.transformer.h:
-                if checkpointing:
-                    # Keep only each block's input; recompute its insides during backward.
-                    x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)  # (B, T, C)
-                else:
-                    x = block(x)  # (B, T, C)
-            x = self.transformer.ln_f(x)  # (B, T, C)
-        if targets is not None and (self.loss_chunk_rows or self.fused_loss is not None):
-            if targets.shape != idx.shape:
-                raise ValueError(f"targets shape {tuple(targets.shape)} must match idx shape {tuple(idx.shape)}")
-            if self.fused_loss is not None:
-                loss = self.fused_loss(x.reshape(B * T, -1), head_weight, targets.reshape(-1))
+        for block in self.transformer.h:
+            if checkpointing:
+                # Keep only each block's input; recompute its insides during backward.
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)  # (B, T, C)
             else:
-                loss = chunked_linear_cross_entropy(x.reshape(B * T, -1), head_weight, targets.reshape(-1),
-                                                    self.loss_chunk_rows)
-            return None, loss  # no full logits exist in this mode
-        logits = self.lm_head(x) if head_weight is self.lm_head.weight else F.linear(x, head_weight)  # (B, T, V)
-
+                x = block(x)  # (B, T, C)
+        x = self.transformer.ln_f(x)  # (B, T, C)
+        logits = self.lm_head(x)  # (B, T, V)
         loss = None
         if targets is not None:
-            if targets.shape != idx.shape:
-                raise ValueError(f"targets shape {tuple(targets.shape)} must match idx shape {tuple(idx.shape)}")
             loss = F.cross_entropy(
                 logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1
             )  # mean over the B*T positions
         return logits, loss
 
-    def _blocks_with_fused_layer_norm(self, x: torch.Tensor) -> torch.Tensor:
-        """ln_f(blocks(x)), the same sums as Block.forward, regrouped so that each residual add
-        meets the LayerNorm that reads its result (the next block's ln_1, or ln_f after the last
-        block): one `mpgpt.kernels.layernorm.residual_layer_norm` per pair."""
-        add_ln = self.fused_layer_norm
-        blocks = self.transformer.h
-        # The regrouped loop never calls Block.forward or the LayerNorms' forward. So a module whose
-        # own forward would then not run is refused: a wrapper (checkpoint_wrapper replaces each block
-        # with one), a subclass, or another kind of norm in nn.LayerNorm's place.
-        odd = [type(b).__name__ for b in blocks if type(b).forward is not Block.forward]
-        norms = [self.transformer.ln_f] + ([ln for b in blocks for ln in (b.ln_1, b.ln_2)] if not odd else [])
-        odd += [type(ln).__name__ for ln in norms if type(ln).forward is not nn.LayerNorm.forward]
-        if odd:
-            raise RuntimeError(f"set_fused_layer_norm regroups Block.forward and nn.LayerNorm.forward, but the model "
-                               f"holds {odd[0]} in their place, whose own forward would not run; call "
-                               "set_fused_layer_norm(False)")
-        # Nor would their hooks run (FSDP2's fully_shard registers one on each block).
-        if any(_has_hooks(m) for m in [*blocks, *norms]) or _has_hooks(None):
-            raise RuntimeError("set_fused_layer_norm skips Block.forward and LayerNorm.forward, and hooks are "
-                               "registered on them (FSDP2's fully_shard adds some); call set_fused_layer_norm(False)")
-        y = add_ln(x, None, blocks[0].ln_1)  # (B, T, C)
-        for i, block in enumerate(blocks):
-            a, bias = self._branch(block.attn, y)
-            x, y = add_ln(x, a, block.ln_2, branch_bias=bias)  # x + attn(ln_1(x)), and its ln_2
-            m, bias = self._branch(block.mlp, y)
-            if i + 1 < len(blocks):
-                x, y = add_ln(x, m, blocks[i + 1].ln_1, branch_bias=bias)  # x + mlp(ln_2(x)), the next block's ln_1
-            else:
-                # ln_f's output goes to the loss, not a matmul: in the dtype nn.LayerNorm returns
-                # (fp32 under autocast, which runs LayerNorm in fp32), as the unfused model has it.
-                out = torch.float32 if torch.is_autocast_enabled(x.device.type) else x.dtype
-                x, y = add_ln(x, m, self.transformer.ln_f, out, branch_bias=bias)
-        return y
-
-    def _branch(self, branch: nn.Module, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(branch output, None), or with set_fused_layer_norm(bias_in_add=True), (the output without
-        c_proj's bias, that bias) for the residual add to add, where that is the same sum: c_proj a
-        plain nn.Linear with a bias and no hooks, and no dropout after it in training."""
-        proj = branch.c_proj
-        dropout = branch.resid_dropout if isinstance(branch, CausalSelfAttention) else branch.dropout
-        if (self.bias_in_add and type(proj) is nn.Linear and proj.bias is not None and not _has_hooks(proj)
-                and (dropout.p == 0 or not dropout.training)):
-            return branch(y, proj_bias=False), proj.bias
-        return branch(y), None
-
-    def _tied_weight(self) -> torch.Tensor:
-        """The matrix wte and lm_head share, for the fused embedding, which skips both modules' forward."""
-        wte, head = self.transformer.wte, self.lm_head
-        odd = [type(m).__name__ for m, kind in ((wte, nn.Embedding), (self.transformer.wpe, nn.Embedding),
-                                                (head, nn.Linear)) if type(m) is not kind]
-        if odd:
-            raise RuntimeError(f"set_fused_embedding replaces the embeddings' and lm_head's forward, but the model "
-                               f"holds {odd[0]} in their place, whose own forward would not run; call "
-                               "set_fused_embedding(False)")
-        if head.weight is not wte.weight:
-            raise RuntimeError("set_fused_embedding adds the embedding's gradient into the output layer's, which "
-                               "needs the two to share one matrix (lm_head.weight is transformer.wte.weight); "
-                               "call set_fused_embedding(False)")
-        if any(_has_hooks(m) for m in (wte, self.transformer.wpe, head, None)):
-            raise RuntimeError("set_fused_embedding skips the embeddings' and lm_head's forward, and hooks are "
-                               "registered on them; call set_fused_embedding(False)")
-        return wte.weight
-
-    def _check_idx(self, idx) -> None:
+    def _check_idx(self, idx, targets=None) -> None:
+        """Refuse, in one line that says what to do, inputs the forward pass cannot take."""
         if not isinstance(idx, torch.Tensor):
             raise ValueError(f"idx must be a torch.Tensor of token ids, got {type(idx).__name__}")
         if idx.dim() != 2:
@@ -417,6 +301,8 @@ class GPT(nn.Module):
                 f"sequence length {T} exceeds block_size {self.config.block_size}; "
                 "crop the input or use a larger block_size"
             )
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} must match idx shape {tuple(idx.shape)}")
 
     # ------------------------------------------------------------------------------- generation
 
@@ -492,149 +378,4 @@ class GPT(nn.Module):
         the block during backward (torch.utils.checkpoint, non-reentrant). Costs about one extra
         forward pass (~+33% FLOPs); saves the activations inside every block. Returns self."""
         self.activation_checkpointing = bool(enable)
-        return self
-
-    def set_chunked_loss(self, chunk_rows: int = 2048) -> "GPT":
-        """Compute output layer + cross-entropy ``chunk_rows`` positions at a time (mpgpt.fused_loss) when
-        targets are given: the (B, T, vocab) logits are never materialised, and forward returns
-        ``(None, loss)``. 0 switches back to full logits. Returns self."""
-        if chunk_rows < 0:
-            raise ValueError(f"chunk_rows must be >= 0, got {chunk_rows}")
-        self.loss_chunk_rows = int(chunk_rows)
-        if chunk_rows:
-            self.fused_loss = None  # one loss at a time
-        return self
-
-    def set_fused_loss(self, enable: bool = True) -> "GPT":
-        """Compute output layer + cross-entropy with one Triton kernel over the 16-bit logits
-        (mpgpt.kernels.cross_entropy) when targets are given: loss and logit gradients in one pass,
-        overwriting the logits, and forward returns ``(None, loss)``. Turns the chunked loss off.
-        Raises a RuntimeError at once where Triton's kernels cannot run. Returns self."""
-        if not enable:
-            self.fused_loss = None
-            return self
-        from mpgpt.kernels import env, kernels_available  # imported here: Triton is optional for chapters 1-5
-
-        ok, why = kernels_available()
-        if not ok:
-            if env.TRITON_IMPORT_ERROR is not None:
-                why = "Triton is not installed here (it ships for Linux only)"
-            raise RuntimeError(f"set_fused_loss needs Triton's kernels: {why.rstrip('.')}; "
-                               "use set_chunked_loss or the default loss instead")
-        from mpgpt.kernels.cross_entropy import fused_linear_cross_entropy
-
-        self.fused_loss = fused_linear_cross_entropy
-        self.loss_chunk_rows = 0
-        return self
-
-    def set_fused_embedding(self, enable: bool = True) -> "GPT":
-        """Look up the input through ``mpgpt.kernels.embedding.tied_embedding``: the same forward
-        sum, and in the backward pass the token embedding's gradient added into the output layer's
-        gradient of the shared matrix where it lies, row by touched row (a Triton pass on a GPU,
-        torch's ops on a CPU), instead of as a second dense matrix. Needs the tied matrix. Raises a
-        RuntimeError at once where Triton is not installed. Returns self."""
-        if not enable:
-            self.fused_embedding = None
-            return self
-        from mpgpt.kernels import env  # imported here: Triton is optional for chapters 1-5
-
-        if env.TRITON_IMPORT_ERROR is not None:
-            raise RuntimeError("set_fused_embedding needs Triton, which is not installed here (it ships for Linux "
-                               "only); leave it off")
-        self._tied_weight()
-        from mpgpt.kernels.embedding import tied_embedding
-
-        self.fused_embedding = tied_embedding
-        return self
-
-    def set_fused_layer_norm(self, enable: bool = True, bias_in_add: bool = False) -> "GPT":
-        """Run each residual add with the LayerNorm after it through
-        ``mpgpt.kernels.layernorm.residual_layer_norm``: the same forward pass (torch ops, which
-        torch.compile fuses), and LayerNorm's backward in one Triton pass on a GPU, its weight and
-        bias gradients summed beside the input gradient. On a CPU the backward runs as torch ops.
-        Activation checkpointing, when on, takes the unfused blocks. Raises a RuntimeError at
-        once where Triton is not installed. Returns self.
-
-        bias_in_add: also leave each branch's c_proj bias out of its matmul and add it in the
-        residual add, x + (branch + bias). The sum is the same; the bias's gradient is then the
-        residual stream's gradient summed over the tokens, which LayerNorm's backward sums while
-        it writes that gradient, in place of a reduction of its own. Branches where the sums would
-        differ (dropout after c_proj in training, c_proj swapped for another layer or hooked) keep
-        their bias."""
-        if not enable:
-            self.fused_layer_norm, self.bias_in_add = None, False
-            return self
-        from mpgpt.kernels import env  # imported here: Triton is optional for chapters 1-5
-
-        if env.TRITON_IMPORT_ERROR is not None:
-            raise RuntimeError("set_fused_layer_norm needs Triton, which is not installed here (it ships for Linux "
-                               "only); leave it off")
-        if not all(ln.elementwise_affine for ln in self.modules() if isinstance(ln, nn.LayerNorm)):
-            raise ValueError("set_fused_layer_norm needs LayerNorms with a weight (elementwise_affine=True)")
-        from mpgpt.kernels.layernorm import residual_layer_norm
-
-        self.fused_layer_norm, self.bias_in_add = residual_layer_norm, bias_in_add
-        return self
-
-    # ------------------------------------------------------------------------------ chapter 6
-
-    def use_triton(self, enable: bool = True, layers: str = "all", weight_grad_kernel: str = "cublas",
-                   gelu_backward: str = "pass") -> "GPT":
-        """Swap the blocks' nn.Linear layers for Triton-kernel TritonLinear layers (or back).
-
-        c_attn, attn.c_proj and mlp.c_proj become TritonLinear; mlp.c_fc becomes a TritonLinear
-        with the GELU fused into its epilogue, and mlp.act becomes nn.Identity. lm_head stays a
-        plain nn.Linear (it is tied to wte). ``layers="gelu"`` swaps only mlp.c_fc, the one layer
-        whose epilogue saves a pass (the GELU), and leaves the other matmuls to cuBLAS.
-        ``layers="mlp"`` keeps every nn.Linear and runs each MLP through
-        ``mpgpt.kernels.mlp.gelu_mlp``: c_fc's product on the warp-specialised kernel with GELU in
-        its epilogue, GELU's backward and c_fc's bias gradient in one Triton pass, the other
-        products cuBLAS; on GPUs other than sm_90 the product runs as torch ops.
-        ``layers="mlp+qkv"`` adds ``mpgpt.kernels.qkv.qkv_heads`` to each attention layer: c_attn
-        as before, with its backward's head merge and bias gradient in one Triton pass.
-        ``weight_grad_kernel`` (the fused MLP only): "cublas", or a kernel of
-        ``mpgpt.kernels.matmul`` for the MLP's two weight gradients ("auto", "ws", "streamk", ...). ``gelu_backward``
-        (the fused MLP only): "pass" (GELU's backward in its own Triton pass after cuBLAS's
-        dOut W_proj) or "epilogue" (in that product's epilogue, one launch; sm_90). The new
-        layers share the very same Parameter objects, so an optimizer built before the swap keeps
-        working and the state_dict keys do not change. enable=False swaps back (every form).
-        Returns self.
-        """
-        if layers not in ("all", "gelu", "mlp", "mlp+qkv"):
-            raise ValueError(f"layers must be 'all', 'gelu' (only mlp.c_fc), 'mlp' (the fused MLP) or 'mlp+qkv' "
-                             f"(and the fused attention input), got {layers!r}")
-        from mpgpt.kernels import TritonLinear  # imported here: Triton is optional for chapters 1-5
-        from mpgpt.kernels.mlp import check_gelu_backward, check_weight_grad_kernel, gelu_mlp
-        from mpgpt.kernels.qkv import qkv_heads
-        check_weight_grad_kernel(weight_grad_kernel)
-        check_gelu_backward(gelu_backward)
-        options = {k: v for k, v, default in (("weight_grad_kernel", weight_grad_kernel, "cublas"),
-                                              ("gelu_backward", gelu_backward, "pass")) if v != default}
-        if options and not layers.startswith("mlp"):
-            raise ValueError(f"{', '.join(options)}: applies to the fused MLP (layers='mlp' or 'mlp+qkv'), not "
-                             f"layers={layers!r}; TritonLinear takes its kernels from mpgpt.kernels.linear")
-
-        fused = enable and layers.startswith("mlp")
-        for block in self.transformer.h:
-            attn, mlp = block.attn, block.mlp
-            mlp.fused = None
-            if fused:
-                mlp.fused = functools.partial(gelu_mlp, **options) if options else gelu_mlp
-            attn.fused_qkv = qkv_heads if enable and layers == "mlp+qkv" else None
-            if enable and not fused:
-                plain = ((attn, "c_attn"), (attn, "c_proj"), (mlp, "c_proj")) if layers == "all" else ()
-                for parent, name in plain:
-                    layer = getattr(parent, name)
-                    if not isinstance(layer, TritonLinear):
-                        setattr(parent, name, TritonLinear.from_linear(layer, activation=None))
-                if not isinstance(mlp.c_fc, TritonLinear):
-                    mlp.c_fc = TritonLinear.from_linear(mlp.c_fc, activation="gelu")
-                    mlp.act = nn.Identity()  # the GELU now runs inside c_fc's kernel
-            else:  # back to nn.Linear: for enable=False, and for the fused forms, which keep every nn.Linear
-                for parent, name in ((attn, "c_attn"), (attn, "c_proj"), (mlp, "c_proj"), (mlp, "c_fc")):
-                    layer = getattr(parent, name)
-                    if isinstance(layer, TritonLinear):
-                        setattr(parent, name, layer.to_linear())
-                if isinstance(mlp.act, nn.Identity):
-                    mlp.act = nn.GELU(approximate="tanh")
         return self

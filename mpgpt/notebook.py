@@ -17,7 +17,7 @@ def _names(tree: ast.AST) -> tuple[set, set]:
         if isinstance(node, ast.Name):
             (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
         elif isinstance(node, ast.Attribute):
-            read.add(node.attr)  # so a method name (model.use_triton) can be named as missing
+            read.add(node.attr)  # so a method name (model.to_triton) can be named as missing
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             bound.add(node.name)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):

@@ -35,57 +35,13 @@ RECORDS = {
     "ddp-h200x2": "DDP and FSDP2 on 1 and 2 H200s: tokens/s and scaling efficiency (chapter 8)",
     "ddp-h200x2-variants": "DDP bucket sizes and compiled graphs on 2 H200s, one recording per run (chapter 8)",
     "train-h200-fused-ce": "bf16+compile with and without the fused cross-entropy kernel, one run (chapter 7)",
-    "train-tuning-h200": "the fused classifier and the clip in the optimizer, one run; its coordinate-descent row reran the previous row's kernels (chapter 7)",
-    "train-profile-h200": "a profile of the fastest compiled step with biases, and the same step with max-autotune (chapter 7)",
-    "train-peers-h200": "the last rungs of the ladder beside llm.c and nanoGPT's bench.py, in one run on one GPU (chapter 7)",
     "train-peers-graph-h200": "the last rungs with the step recorded as a CUDA graph, beside llm.c and nanoGPT's bench.py, in one run, with a repeat run's times (chapter 7)",
     "train-peers-nomix-h200": "the recorded step without Inductor's mix-order LayerNorm backward, with and without biases, the Triton layers recorded, fp16 against bf16, beside llm.c and nanoGPT's bench.py in one run (chapter 7)",
     "train-peers-optim16-h200": "the step with the model held in bf16 and the package's fused 16-bit AdamW (llm.c's storage), with and without biases, against the step before it and the O2 recipe, beside llm.c and nanoGPT's bench.py in one run (chapter 7)",
-    "train-triton-gelu-h200": "the optim16 step with mlp.c_fc as a Triton matmul with GELU in its epilogue, between two runs of the step without it, with a profile (chapter 7)",
-    "train-triton-mlp-h200": "the optim16 step with GELU fused into each MLP's first matmul on the warp-specialised kernel, between two runs of the step without it, and the bias-free pair (chapter 7)",
-    "kernels-gelu-backward-h200": "GELU's backward with c_fc's bias gradient in one pass against Inductor, at ten tile sizes (chapter 7)",
-    "train-peers-mlp-h200": "the optim16 step with and without the fused MLP (GELU in the matmul epilogue, its backward in one pass), with and without biases, beside llm.c and nanoGPT's bench.py in one run (chapter 7)",
-    "kernels-merge-heads-h200": "the attention's head merge with c_attn's bias gradient, three launches, against Inductor (chapter 7)",
-    "train-qkv-h200": "the fused MLP step with and without the head merge in the backward pass, alternating (chapter 7)",
-    "kernels-fused-backward-h200": "the head merge in one launch and the first one-pass LayerNorm backward against Inductor (chapter 7)",
-    "train-fused-backward-h200": "the fused MLP step with the head merge, the first one-pass LayerNorm backward, both (chapter 7)",
-    "kernels-layer-norm-h200": "the one-pass LayerNorm backward with rows held as 256-column chunks, ten tile sizes, against Inductor (chapter 7)",
-    "kernels-layer-norm-one-sum-h200": "the one-pass LayerNorm backward with one last sum for its weight and bias gradients, ten tile sizes (chapter 7)",
-    "train-peers-fused-backward-h200": "the fastest steps with the head merge and the one-pass LayerNorm backward, with and without biases, beside llm.c and nanoGPT's bench.py in one run (chapter 7)",
     "train-fp16-last-rung-h200": "the fastest step with biases, and the fp32 model with every Triton pass in bf16 and in fp16 with the package's scaler, one run (chapter 7)",
     "kernels-graph-h200": "kernel='auto' and TritonLinear forward + backward against cuBLAS, timed by do_bench and as replayed CUDA graphs, two runs started separately (chapters 6, 7)",
-    "kernels-grads-h200": "the gradient products on cuBLAS, the TMA, warp-specialised and stream-K kernels, TritonLinear with its gradients on each, GELU's and LayerNorm's backward sweeps, and kernel='auto' (chapters 6, 7)",
-    "kernels-auto-ws-h200": "kernel='auto' with the warp-specialised kernel for dX: every kernel against cuBLAS, TritonLinear against nn.Linear, the gradient products with stream-K at two tiles (chapters 6, 7)",
     "train-ladder-h200": "chapter 7's compiled ladder in one run, rung by rung, and the rows read against their twins (chapter 7)",
-    "train-peers-final-h200": "the fastest steps with and without biases and bf16+compile, beside llm.c and nanoGPT's bench.py in one run (chapter 7)",
-    "train-profile-fastest-h200": "a profile of the fastest step with biases: a 60-row profiler table and the timeline's busy and idle time (chapter 7)",
-    "kernels-partials-h200": "the one-pass kernels' last sums: torch's sum and casts against one launch that sums and rounds, at the step's table shapes (chapter 7)",
     "train-profile-epilogue-h200": "a profile of the fastest step with c_fc's GELU epilogue in a partition of its own and the one-launch last sums: a 60-row profiler table and the timeline (chapter 7)",
-    "train-peers-epilogue-h200": "the fastest steps with c_fc's GELU epilogue in a partition of its own, with and without biases, and bf16+compile, beside llm.c and nanoGPT's bench.py in one run (chapter 7)",
-    "train-peers-emb-h200": "the fastest step with biases with and without the tied embedding's gradient added in place, and the bias-free step with it, beside llm.c and nanoGPT's bench.py in one run (chapter 7)",
-    "train-peers-emb-2-h200": "a second run of the fastest step with biases with and without the tied embedding's gradient added in place, beside llm.c and nanoGPT's bench.py (chapter 7)",
-    "kernels-embedding-h200": "the tied embedding's gradient added into the output layer's in place, against Inductor's unfused backward, on uniform and Zipf tokens (chapter 7)",
-    "kernels-dgelu-h200": "GELU's backward in the epilogue of the MLP's dOut W_proj (dZ through shared memory) against cuBLAS's product and the separate pass (chapter 7)",
-    "kernels-dgelu-eight-warps-h100": "GELU's backward in the epilogue of the MLP's dOut W_proj (eight warps, dZ from registers) against cuBLAS's product and the separate pass, on an H100 (chapter 7)",
-    "train-peers-dgelu-h100": "the fastest step with biases with and without GELU's backward in the epilogue of dOut W_proj, and the bias-free step with it, beside llm.c in one run, on an H100 (chapter 7)",
-    "train-peers-dgelu-2-h100": "a second run of the fastest step with biases with and without GELU's backward in the epilogue of dOut W_proj, beside llm.c, on an H100 (chapter 7)",
-    "train-peers-fastest-h100": "--configs fastest (the +gelu-epilogue rows with and without biases, and bf16+compile) beside llm.c in one run, on an H100 (chapter 7)",
-    "train-peers-bias-in-add-h100": "the fastest step with biases with and without c_proj's biases added in the fused residual add (+bias-in-add), beside llm.c, on an H100 (chapter 7)",
-    "train-peers-ln-pipelined-h100": "the fastest step with biases with and without +bias-in-add, LayerNorm's backward at its pipelined tiles, beside llm.c, on an H100 (chapter 7)",
-    "train-peers-fastest-h200": "--configs fastest (the step with biases with +bias-in-add and LayerNorm's backward pipelined, the bias-free step, and bf16+compile) beside llm.c in one run, on an H200 (chapter 7)",
-    "train-peers-fastest-2-h100": "a second run of --configs fastest beside llm.c and nanoGPT's bench.py, on an H100 (chapter 7)",
-    "kernels-auto-balanced-h100": "kernel='auto' and TritonLinear against cuBLAS after the warp-specialised kernel's balanced program counts, two runs, on an H100 (chapters 6, 7)",
-    "kernels-grads-split-h100": "the weight gradients on the warp-specialised kernel with K in slices, and TritonLinear against nn.Linear with them, two runs, on an H100 (chapters 6, 7)",
-    "kernels-pingpong-h100": "kernel='auto' and TritonLinear after products with a bias moved to two MMA partitions taking tiles in turn, two runs, on an H100 (chapters 6, 7)",
-    "kernels-dw-tiles-h100": "the weight gradients with five load stages and the MLP's on 128 x 160 tiles, and TritonLinear against nn.Linear with them, two runs, on an H100 (chapters 6, 7)",
-    "kernels-sliced-h100": "kernel='auto' and TritonLinear after the N = 768 products began to store their tiles in slices beside a fifth load stage, two runs, on an H100 (chapters 6, 7)",
-    "train-triton-rows-h100": "GPT-2 small with TritonLinear layers under torch.compile against nn.Linear, with and without the step recorded as a CUDA graph, one run, on an H100 (chapter 7)",
-    "train-triton-profile-h100": "the same pair profiled, each matrix product's device time by shape, and the host's time per step, one run, on an H100 (chapter 7)",
-    "train-triton-gelu-ws-h100": "the same pair after TritonLinear's GELU forward moved to the warp-specialised kernel, two runs, on an H100 (chapter 7)",
-    "train-eager-triton-h100": "GPT-2 small in eager mode with TritonLinear layers against nn.Linear, two pairs in one run, on an H100 (chapter 7)",
-    "kernels-h100": "where the matrix kernels stand on an H100: kernel='auto' against cuBLAS, TritonLinear against nn.Linear and the gradient products, called from Python and as replayed graphs, two runs (chapters 6, 7)",
-    "kernels-host-maps-h100": "kernel='auto' and TritonLinear called from Python after the descriptors' encodings were kept per address and repeated checks skipped, two runs, on an H100 (chapters 6, 7)",
-    "optim16-launches-h200": "the 16-bit AdamW in one launch per parameter group against one per tensor, and the clip's norm through its tables against torch's (chapter 10)",
     "fp8-h200": "fp8 GEMMs, Fp8Linear against bf16 nn.Linear per layer shape, long-K accumulation (chapter 9)",
     "fp8-training-h200": "GPT-2 small, 2000 steps: bf16 (two seeds) against fp8 in the output layer and in every linear layer (chapter 9)",
     "fp8-cast-h200": "the fused fp8 cast against the eager one, alone and inside one Fp8Linear step (chapter 9)",
@@ -216,3 +172,16 @@ def write_result(kind: str, payload: dict, out_dir=None, tag: str | None = None,
     tmp.write_text(json.dumps({"environment": env, **payload}, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+# The records no chapter loads stay in the repository, outside the wheel (benchmarks/README.md).
+REPOSITORY_RECORDS_DIR = RECORDS_DIR.parents[1] / "benchmarks" / "records"
+
+
+def find_record(name: str) -> dict | None:
+    """A record by name: one shipped with the package, else one in a repository checkout's
+    benchmarks/records; None where this copy of the package has neither (a wheel)."""
+    if name in RECORDS:
+        return load_record(name)
+    path = REPOSITORY_RECORDS_DIR / f"{name}.json"
+    return load_result(path) if re.fullmatch(_NAME, name) and path.is_file() else None

@@ -21,7 +21,6 @@ setup cell shows.
 """
 from __future__ import annotations
 
-import os
 import platform
 from dataclasses import dataclass
 
@@ -145,6 +144,4 @@ def about(expected_version: str | None = None) -> str:
     if expected_version is not None and expected_version != __version__:
         line += (f" — this chapter was written for mpgpt {expected_version}, so some outputs may differ; "
                  "uninstall mpgpt, restart the runtime and rerun this cell to get that version")
-    if os.environ.get("MPGPT_QUICK"):
-        line += " · quick mode (MPGPT_QUICK): sizes shrunk for a smoke run"
     return line

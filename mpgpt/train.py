@@ -17,6 +17,7 @@ embedded corpus with the device's default precision and prints a sample.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -28,6 +29,7 @@ from mpgpt.checkpoint import CheckpointError
 from mpgpt.optim16 import VARIANTS
 from mpgpt.scaling import SCALERS
 from mpgpt.distributed import DistributedTrainer, launched_by_torchrun
+from mpgpt.recipe import parse as parse_recipe
 from mpgpt.trainer import DivergenceError, History, Trainer, TrainConfig, lr_at
 
 __all__ = ["train", "main", "TrainConfig", "History", "Trainer", "lr_at"]
@@ -44,13 +46,15 @@ def train(config: TrainConfig | None = None, *, model=None, dataset=None, after_
         if not hasattr(cfg, key):
             raise TypeError(f"TrainConfig has no field {key!r}")
         setattr(cfg, key, value)
-    if cfg.fsdp or launched_by_torchrun():
-        trainer = DistributedTrainer(cfg, model=model, dataset=dataset)
-    else:
-        trainer = Trainer(cfg, model=model, dataset=dataset)
-    if cfg.resume:
-        trainer.load(cfg.resume)
-    return trainer.run(after_backward=after_backward)
+    # A recipe's Inductor settings are in force while the step compiles and runs.
+    with parse_recipe(cfg.recipe).inductor_settings() if cfg.recipe else contextlib.nullcontext():
+        if cfg.fsdp or launched_by_torchrun():
+            trainer = DistributedTrainer(cfg, model=model, dataset=dataset)
+        else:
+            trainer = Trainer(cfg, model=model, dataset=dataset)
+        if cfg.resume:
+            trainer.load(cfg.resume)
+        return trainer.run(after_backward=after_backward)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -68,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "preset on the embedded corpus, in the device's default precision, then a sample.",
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", default=d.preset, choices=["tiny", "small", "gpt2"], help="model size")
+    p.add_argument("--recipe", default=None,
+                   help="how the step runs, as +-joined tokens (mpgpt.recipe), e.g. bf16+compile or 'fastest'; "
+                        "it sets the precision, scaler, compile and fast-path options itself")
     p.add_argument("--data", default=d.data, help="'embedded', 'shakespeare' (downloads once) or a text file path")
     p.add_argument("--precision", default="auto",
                    help="auto | fp32 | tf32 | bf16 | fp16 | bf16-master | fp16-master (auto: bf16 on sm_80+, "
@@ -105,7 +112,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Flags a recipe sets itself: flag -> (argparse attribute, its value when not given).
+_RECIPE_FLAGS = {"--precision": ("precision", "auto"), "--scaler": ("scaler", "auto"), "--compile": ("compile", False),
+                 "--fused-clip": ("fused_clip", False), "--cuda-graph": ("cuda_graph", False),
+                 "--optim16": ("optim16", None)}
+
+
 def config_from_args(args) -> TrainConfig:
+    cfg = _config_from_flags(args)
+    if args.recipe is None:
+        return cfg
+    given = [flag for flag, (attr, unset) in _RECIPE_FLAGS.items() if getattr(args, attr) != unset]
+    if given:
+        raise ValueError(f"--recipe sets {given[0]} itself; drop {given[0]} or the recipe")
+    for key, value in parse_recipe(args.recipe).train_config().items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def _config_from_flags(args) -> TrainConfig:
     return TrainConfig(
         preset=args.preset, data=args.data, precision=None if args.precision == "auto" else args.precision,
         scaler=args.scaler, static_scale=args.static_scale, min_scale=args.min_scale, steps=args.steps, batch_size=args.batch_size,
@@ -127,6 +152,8 @@ def main(argv=None) -> int:
                 raise ValueError(f"device {cfg.device} is not supported by mpgpt.train; use --device cpu or cuda")
             if device.type == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"device {cfg.device} requested but no CUDA GPU is available; use --device cpu")
+        if cfg.recipe is not None:  # a token the device cannot run is refused before anything is built
+            parse_recipe(cfg.recipe).check_device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if cfg.data not in ("embedded", "shakespeare") and not Path(cfg.data).exists():
             raise FileNotFoundError(f"data file {cfg.data} does not exist; pass a UTF-8 text file or 'embedded'")
         if cfg.resume is not None and Path(cfg.resume).is_dir():

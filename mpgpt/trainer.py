@@ -44,6 +44,7 @@ from mpgpt.graph_step import GraphedStep
 from mpgpt.optim16 import VARIANTS, AdamW16
 from mpgpt.model import GPT, GPTConfig, peak_flops
 from mpgpt.precision import MasterWeights, resolve_precision
+from mpgpt.recipe import parse as parse_recipe
 from mpgpt.scaling import SCALERS, BaseLossScaler, NullScaler, make_scaler
 
 __all__ = ["TrainConfig", "History", "Trainer", "DivergenceError", "lr_at", "load_dataset", "param_groups"]
@@ -122,6 +123,9 @@ class TrainConfig:
     log_interval: int = 10            # per-step values are brought to the host every this many steps
     model_overrides: dict = field(default_factory=dict)  # e.g. {"n_layer": 2}: passed to GPTConfig
     fsdp: bool = False                # under torchrun: FSDP2 sharding instead of DDP (mpgpt.distributed)
+    # A recipe name (mpgpt.recipe): the fast-path switches applied to the model the trainer builds.
+    # Recipe.train_config() also fills the fields above that the recipe sets (precision, compile...).
+    recipe: str | None = None
     ddp_bucket_mb: float | None = None  # DDP's all-reduce bucket; None: 25 MB eager, 100 MB compiled
 
     def validate(self) -> None:
@@ -150,6 +154,8 @@ class TrainConfig:
         for name in ["warmup_steps", "weight_decay", "grad_clip", "sample_tokens", "checkpoint_interval"]:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.recipe is not None:
+            parse_recipe(self.recipe)  # a ValueError that names the unknown token
         if self.scaler not in SCALERS:
             raise ValueError(f"unknown scaler {self.scaler!r}; choose one of {', '.join(SCALERS)}")
         if self.compile_mode not in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
@@ -275,6 +281,8 @@ class Trainer:
             if cfg.preset == "gpt2" and "vocab_size" not in cfg.model_overrides:
                 overrides.pop("vocab_size")  # keep the padded 50304 of GPT-2's vocabulary
             model = GPT(GPTConfig.preset(cfg.preset, **overrides))
+            if cfg.recipe is not None:
+                parse_recipe(cfg.recipe).apply(model)  # its fast-path switches, from outside (mpgpt.fast)
         self.model = model.to(self.device)
         fp32_weights = None
         if cfg.optim16:

@@ -25,8 +25,8 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from mpgpt.kernels import (adamw16, cross_entropy, embedding, fp8_matmul, gelu, grouped, heads, layernorm,  # noqa: E402
-                           partials, streamk)
+from mpgpt.fast import cross_entropy, embedding, heads, layernorm  # noqa: E402
+from mpgpt.kernels import adamw16, fp8_matmul, gelu, grouped, partials  # noqa: E402
 
 POINTERS = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "z_ptr"]
 INTS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
@@ -161,26 +161,6 @@ def compile_embedding(cc: int, dtype: str, kernel: str) -> dict:
     return {"shared": compiled.metadata.shared}
 
 
-def compile_streamk(kernel: str) -> dict:
-    """The stream-K kernel (sm_90) at its GPU tiles, as a weight gradient calls it (A transposed,
-    B row-major, bf16 in, fp32 out), and its fixup."""
-    constexprs = dict(NUM_PROGRAMS=132, BLOCK_M=streamk.BLOCK_M, BLOCK_N=streamk.BLOCK_N, BLOCK_K=streamk.BLOCK_K,
-                      GROUP_M=streamk.GROUP_M)
-    if kernel == "streamk":
-        fn, options = streamk.streamk_kernel, dict(num_warps=streamk.NUM_WARPS, num_stages=streamk.NUM_STAGES)
-        constexprs |= dict(A_T=True, B_T=False)
-        signature = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*fp32", part_ptr="*fp32",
-                         **{n: "i32" for n in ("M", "N", "K", "stride_a", "stride_b", "stride_cm", "stride_cn")})
-    else:
-        fn, options = streamk.streamk_fixup_kernel, {}
-        signature = dict(part_ptr="*fp32", c_ptr="*fp32", **{n: "i32" for n in ("M", "N", "K", "stride_cm", "stride_cn")})
-    signature |= {name: "constexpr" for name in constexprs}
-    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    ptx = compiled.asm["ptx"]
-    return {"shared": compiled.metadata.shared, **instructions(ptx), "tma_loads": ptx.count("cp.async.bulk.tensor")}
-
-
 COLUMN_SUM_KERNELS = ("gelu_backward_bias", "merge_heads", "layer_norm", "layer_norm_sum_dx", "layer_norm_two_pass",
                       "sum_partials")
 
@@ -239,7 +219,7 @@ def compile_gluon(kernel: str, epilogue: int = 0, row_major_b: bool = False, nar
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime import driver
 
-    from mpgpt.kernels import fp8_ws, ws
+    from mpgpt.kernels.hopper import fp8_ws, ws
     driver.set_active(_Sm90Driver())   # left active: this child process compiles, it never launches
     n = 4096
     if kernel == "fp8_ws":
@@ -317,7 +297,7 @@ def main(targets) -> dict:
     out["results"].append({"cc": 90, "kernel": "fp8_matmul_tma", "dtype": "fp8", "config": "first",
                            **attempt(compile_fp8, 90, "fp8_matmul_tma")})
     # The warp-specialised Gluon kernels (Hopper only), where this Triton has Gluon.
-    from mpgpt.kernels import fp8_ws
+    from mpgpt.kernels.hopper import fp8_ws
     if fp8_ws.WS_FP8_IMPORT_ERROR is None:
         for name in ("ws", "fp8_ws"):
             out["results"].append({"cc": 90, "kernel": name, "dtype": "fp8" if name == "fp8_ws" else "bf16",
@@ -346,10 +326,6 @@ def main(targets) -> dict:
         for name in ("embedding_tails", "embedding_add"):
             out["results"].append({"cc": cc, "kernel": name, "dtype": dtype, "config": "gpu default",
                                    **attempt(compile_embedding, cc, dtype, name)})
-    # The stream-K weight-gradient kernel and its fixup (Hopper).
-    for name in ("streamk", "streamk_fixup"):
-        out["results"].append({"cc": 90, "kernel": name, "dtype": "bf16", "config": "gpu default",
-                               **attempt(compile_streamk, name)})
     # What bf16 does below sm_80 depends on the Triton version: recorded, not assumed.
     out["results"].append({"cc": 75, "kernel": "matmul", "dtype": "bf16", "config": "fixed",
                            **attempt(compile_matmul, 75, "bf16", grouped.FIXED["sm75"])})

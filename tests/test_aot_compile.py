@@ -148,21 +148,6 @@ def test_the_gluon_kernels_compile_for_hopper(compiled, kernel, dtype, operands)
     assert (record["ex2"] > 0) == (kernel == "ws_gelu_backward"), record
 
 
-@pytest.mark.parametrize("kernel", ["streamk", "streamk_fixup"])
-def test_the_streamk_kernels_compile_for_hopper(compiled, kernel):
-    """The stream-K kernel runs in the interpreter on a CPU, which never compiles it: it must
-    compile for sm_90 with its TMA loads and wgmma (the TMA kernel's main loop) inside the
-    data-dependent loop over its stretch, and fit an H100's shared memory; the fixup is plain
-    loads and stores."""
-    record = compiled[90, kernel, "bf16"]
-    assert record["ok"], record.get("error")
-    assert record["shared"] <= SHARED_PER_BLOCK[90]
-    if kernel == "streamk":
-        assert record["mma"] > 0 and record["tma_loads"] > 0, record
-    else:
-        assert record["mma"] == 0 and record["tma_loads"] == 0, record
-
-
 def test_bf16_on_sm75_is_refused_whatever_triton_does(compiled):
     record = compiled[75, "matmul", "bf16"]
     assert isinstance(record["ok"], bool)  # compiled (Triton 3.9) or a ptxas error (older): both recorded

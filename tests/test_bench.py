@@ -3,6 +3,8 @@ import pytest
 import torch
 
 from mpgpt.bench import ddp, training
+from mpgpt.recipe import parse
+from recipe_signature import old_rows
 
 
 def test_a_bad_tag_is_refused_before_the_run(capsys, tmp_path):
@@ -62,7 +64,7 @@ def test_matrix_products_are_listed_per_shape_and_per_call():
 
 def test_profile_takes_a_list_and_refuses_an_unknown_name(capsys):
     assert training.main(["--configs", "fp32", "--profile", "fp32,no-such-config"]) == 2
-    assert "unknown configuration 'no-such-config'" in capsys.readouterr().err
+    assert "'no-such-config'" in capsys.readouterr().err
 
 
 def test_every_row_compiles_afresh_and_inductor_settings_bypass_the_graph_cache(monkeypatch):
@@ -96,7 +98,7 @@ def test_every_row_compiles_afresh_and_inductor_settings_bypass_the_graph_cache(
         monkeypatch.setattr(training, "make_trainer", fake_trainer)
         monkeypatch.setattr(training, "_time_steps", fake_steps)
         base = "bf16+compile+fused-ce+fused-clip+step-graph"
-        assert training.TRAIN_CONFIGS[base + "+ln-split64"]["inductor"] == {split: 64}
+        assert parse(base + "+ln-split64").settings()["inductor"] == {split: 64}
         rows = training.bench_train([base, base + "+ln-split64", base])
         assert all("stop here" in row["error"] for row in rows)
         plain, tuned = (None, True), (64, False)
@@ -105,12 +107,7 @@ def test_every_row_compiles_afresh_and_inductor_settings_bypass_the_graph_cache(
                           "reset", ("build", base, plain), ("steps", plain)]
 
 
-def test_the_streamk_rows_differ_from_their_twins_only_in_the_mlp_weight_gradients():
-    """The two "+streamk-dw" rows are the fastest rows with and without biases, with the fused MLP's
-    weight gradients on the stream-K kernel: nothing else may differ, or their ratio would not
-    measure that one change."""
-    rows = [name for name in training.TRAIN_CONFIGS if "+streamk-dw" in name]
-    assert len(rows) == 2 and any("nobias" in name for name in rows), rows
+def test_the_fastest_list_is_the_aliases_and_the_baseline():
     # `--configs fastest`: the last rung and its bias-free twin, each with the tied embedding's
     # gradient in place and GELU's backward in the epilogue (with biases, c_proj's in the residual add too),
     # the baseline, and the first row again
@@ -118,21 +115,19 @@ def test_the_streamk_rows_differ_from_their_twins_only_in_the_mlp_weight_gradien
     assert fastest[0] == fastest[-1] == training.LADDER[8].replace(
         "+fused-ln+step-graph", "+fused-ln+bias-in-add+fused-emb+gelu-epilogue+step-graph")
     assert training.LADDER[9].replace("+step-graph", "+fused-emb+gelu-epilogue+step-graph") in fastest
-    assert "bf16+compile" in fastest and all(name in training.TRAIN_CONFIGS for name in fastest)
-    for name in rows:
-        twin = training.TRAIN_CONFIGS[name.replace("+streamk-dw", "")]
-        assert training.TRAIN_CONFIGS[name] == {**twin, "mlp_dw": "streamk"}, name
+    assert "bf16+compile" in fastest and all(parse(name) for name in fastest)
+    assert fastest[:2] == [parse("fastest").name, parse("fastest-nobias").name]
 
 
 def test_the_gelu_epilogue_rows_differ_from_their_twins_only_there_and_build_that_mlp():
     """The two "+gelu-epilogue" rows are the "+fused-emb" rows with and without biases plus GELU's
     backward in the epilogue of dOut W_proj, and the trainer they build runs each MLP that way."""
-    from mpgpt.kernels import mlp
-    rows = [name for name in training.TRAIN_CONFIGS if "+gelu-epilogue" in name and "+bias-in-add" not in name]
+    from mpgpt.fast import mlp
+    rows = [name for name in old_rows() if "+gelu-epilogue" in name and "+bias-in-add" not in name]
     assert len(rows) == 2 and any("nobias" in name for name in rows), rows
     for name in rows:
-        twin = training.TRAIN_CONFIGS[name.replace("+gelu-epilogue", "")]
-        assert twin.get("fused_emb") and training.TRAIN_CONFIGS[name] == {**twin, "gelu_epilogue": True}, name
+        twin = parse(name.replace("+gelu-epilogue", "")).settings()
+        assert twin.get("fused_emb") and parse(name).settings() == {**twin, "gelu_epilogue": True}, name
     built = training.make_trainer(rows[0], preset="tiny", batch_size=2, block_size=16, device="cpu", compile=False,
                                   cuda_graph=False, optim16=None, precision="fp32", steps=1)
     assert all(block.mlp.fused.func is mlp.gelu_mlp and block.mlp.fused.keywords == {"gelu_backward": "epilogue"}
@@ -143,10 +138,10 @@ def test_the_bias_in_add_row_differs_from_its_twin_only_there_and_moves_every_c_
     """The "+bias-in-add" row is the fastest row with biases plus c_proj's biases added in the fused
     residual add, and the trainer it builds moves all of them there (every residual add after the
     first LayerNorm gets one)."""
-    rows = [name for name in training.TRAIN_CONFIGS if "+bias-in-add" in name]
+    rows = [name for name in old_rows() if "+bias-in-add" in name]
     assert len(rows) == 1
-    twin = training.TRAIN_CONFIGS[rows[0].replace("+bias-in-add", "")]
-    assert training.TRAIN_CONFIGS[rows[0]] == {**twin, "bias_in_add": True}
+    twin = parse(rows[0].replace("+bias-in-add", "")).settings()
+    assert parse(rows[0]).settings() == {**twin, "bias_in_add": True}
     built = training.make_trainer(rows[0], preset="tiny", batch_size=2, block_size=16, device="cpu", compile=False,
                                   cuda_graph=False, optim16=None, precision="fp32", steps=1)
     model, seen = built.model, []
@@ -165,10 +160,10 @@ def test_the_ladder_is_one_change_per_rung_and_expands_from_its_name():
     setting of the rung before, except where the 16-bit AdamW comes in and takes over the clip."""
     assert training.expand_configs("ladder") == training.LADDER
     assert training.expand_configs("fp32, ladder,") == ["fp32"] + training.LADDER
-    assert all(name in training.TRAIN_CONFIGS for name in training.LADDER)
+    assert all(parse(name) for name in training.LADDER)
     last = training.LADDER.index("bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+step-graph+no-mix-order")
     for before, after in zip(training.LADDER[:last], training.LADDER[1:last + 1]):
-        old, new = training.TRAIN_CONFIGS[before], training.TRAIN_CONFIGS[after]
+        old, new = parse(before).settings(), parse(after).settings()
         changed = {k for k in set(old) | set(new) if old.get(k) != new.get(k)}
         assert len(changed) == 1 or changed == {"optim16", "fused_clip"}, f"{before} -> {after} changes {sorted(changed)}"
 
@@ -184,7 +179,8 @@ def test_every_swept_tile_configuration_computes_the_right_result():
     small fresh inputs with edges in both dimensions (rows not a multiple of ROWS, columns not a
     multiple of the column block), against torch's ops in fp32."""
     from mpgpt.bench import kernels as kb
-    from mpgpt.kernels import gelu, heads, layernorm
+    from mpgpt.kernels import gelu
+    from mpgpt.fast import heads, layernorm
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g, z = torch.randn(150, 1100, device=device), 3 * torch.randn(150, 1100, device=device)
@@ -240,7 +236,8 @@ def test_the_partials_part_times_the_tables_the_kernels_leave(monkeypatch):
     kernels hand to sum_partials at their GPU tiles (on the GPU, or in the interpreter without one; at
     a small size with rows that do not fill the last row group)."""
     from mpgpt.bench import kernels as kb
-    from mpgpt.kernels import gelu, heads, layernorm, partials
+    from mpgpt.kernels import gelu, partials
+    from mpgpt.fast import heads, layernorm
 
     seen = []
     real = partials.sum_partials

@@ -1,4 +1,4 @@
-"""The fused linear + cross-entropy (mpgpt.kernels.cross_entropy) against float64 references.
+"""The fused linear + cross-entropy (mpgpt.fast.cross_entropy) against float64 references.
 
 Without a GPU the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set by mpgpt), so the
 sizes are small. The tolerances are derived from the rounding the fused path does, not tuned:
@@ -24,9 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from mpgpt import runtime
-from mpgpt.kernels import cross_entropy as ce
-from mpgpt.kernels.cross_entropy import cross_entropy_rows_, fused_linear_cross_entropy, linear_cross_entropy_op
+from mpgpt.fast import cross_entropy as ce
+from mpgpt.fast.cross_entropy import cross_entropy_rows_, fused_linear_cross_entropy, linear_cross_entropy_op
+from mpgpt.fast import convert
 from mpgpt.model import GPT, GPTConfig
+from mpgpt.recipe import parse
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter without a GPU
 # bf16 where the kernels have it (the CPU interpreter, sm_80 and later); fp16 on a T4.
@@ -255,7 +257,7 @@ def test_it_compiles_in_one_graph_and_matches_eager_exactly():
 
     # The whole model with the option on traces in one graph too (what the benchmark compiles).
     model = GPT(GPTConfig.preset("tiny", vocab_size=150, n_layer=1, n_embd=32, n_head=2, block_size=16))
-    model.to(DEVICE).set_fused_loss()
+    convert(model.to(DEVICE), fused_loss=True)
     idx = torch.randint(0, 150, (2, 16), device=DEVICE)
 
     def model_loss(idx):
@@ -292,17 +294,19 @@ def test_the_model_option_gives_the_default_loss_and_gradients(fp32_matmuls):
     loss.backward()
     ref = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    logits2, loss2 = model.set_fused_loss()(idx, tgt)
+    logits2, loss2 = convert(model, fused_loss=True)(idx, tgt)
     loss2.backward()
     assert logits is not None and logits2 is None
     # fp32 throughout: the two differ only in summation order (fp32, 150-term softmax sums).
     torch.testing.assert_close(loss2, loss, rtol=1e-6, atol=1e-6)
     for g, p in zip(ref, model.parameters()):
         torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)
-    # The options exclude each other, and switching off restores the full logits.
-    assert model.set_chunked_loss(8).fused_loss is None
-    assert model.set_fused_loss().loss_chunk_rows == 0
-    assert model.set_fused_loss(False)(idx, tgt)[0] is not None
+    # The options exclude each other, and converting back restores the full logits.
+    with pytest.raises(ValueError, match="choose one"):
+        convert(model, chunked_loss=8, fused_loss=True)
+    assert convert(model, chunked_loss=8).fused_loss is None
+    assert convert(model, fused_loss=True).loss_chunk_rows == 0
+    assert convert(model)(idx, tgt)[0] is not None
 
 
 def test_without_triton_the_model_option_refuses_at_once(monkeypatch):
@@ -312,9 +316,9 @@ def test_without_triton_the_model_option_refuses_at_once(monkeypatch):
     monkeypatch.setattr(mpgpt.kernels, "kernels_available", lambda: (False, why))
     monkeypatch.setattr(ce.env, "TRITON_IMPORT_ERROR", why)
     model = GPT(GPTConfig.preset("tiny", n_layer=1))
-    with pytest.raises(RuntimeError, match="set_fused_loss needs Triton.s kernels: Triton is not installed") as info:
-        model.set_fused_loss()
-    assert "\n" not in str(info.value) and "set_chunked_loss" in str(info.value) and model.fused_loss is None
+    with pytest.raises(RuntimeError, match="the fused loss, LayerNorm and embedding need Triton") as info:
+        convert(model, fused_loss=True)
+    assert "\n" not in str(info.value) and type(model) is GPT
     x, w, t = _inputs(N=4, C=8, V=20)
     with pytest.raises(RuntimeError, match="needs Triton"):
         fused_linear_cross_entropy(x, w, t)
@@ -336,9 +340,9 @@ def test_the_benchmark_configurations_train_with_the_fused_loss():
     about a minute per configuration (the benchmark on a GPU compiles as usual)."""
     from mpgpt.bench import ddp, training
 
-    plain, nobias = training.TRAIN_CONFIGS["bf16+compile"], training.TRAIN_CONFIGS["bf16+compile-nobias"]
-    assert training.TRAIN_CONFIGS["bf16+compile+fused-ce"] == {**plain, "fused_loss": True}
-    assert training.TRAIN_CONFIGS["bf16+compile-nobias+fused-ce"] == {**nobias, "fused_loss": True}
+    plain, nobias = parse("bf16+compile").settings(), parse("bf16+compile-nobias").settings()
+    assert parse("bf16+compile+fused-ce").settings() == {**plain, "fused_loss": True}
+    assert parse("bf16+compile-nobias+fused-ce").settings() == {**nobias, "fused_loss": True}
     name = "bf16+compile+fused-ce"
     trainer = training.make_trainer(name, preset="tiny", batch_size=2, block_size=16, device=DEVICE,
                                     compile=False)
@@ -359,9 +363,9 @@ def test_the_fused_clip_and_tuning_configurations_are_what_their_names_say():
 
     from mpgpt.bench import ddp, training
 
-    fused = training.TRAIN_CONFIGS["bf16+compile+fused-ce"]
-    clip = training.TRAIN_CONFIGS["bf16+compile+fused-ce+fused-clip"]
-    tuned = training.TRAIN_CONFIGS["bf16+compile+fused-ce+fused-clip+cd-tuning"]
+    fused = parse("bf16+compile+fused-ce").settings()
+    clip = parse("bf16+compile+fused-ce+fused-clip").settings()
+    tuned = parse("bf16+compile+fused-ce+fused-clip+cd-tuning").settings()
     assert clip == {**fused, "fused_clip": True}
     assert tuned == {**clip, "inductor": {"coordinate_descent_tuning": True}}
     trainer = training.make_trainer("bf16+compile+fused-ce+fused-clip", preset="tiny", batch_size=2, block_size=16,
@@ -370,7 +374,7 @@ def test_the_fused_clip_and_tuning_configurations_are_what_their_names_say():
     # only torch's fused AdamW (built on CUDA) can take the factor; elsewhere clip_grad_norm_ clips
     assert trainer.clips_in_optimizer == (trainer.device.type == "cuda")
     before = inductor_config.coordinate_descent_tuning
-    with training.inductor_settings(tuned["inductor"]):
+    with parse("bf16+compile+fused-ce+fused-clip+cd-tuning").inductor_settings():
         assert inductor_config.coordinate_descent_tuning is True
     assert inductor_config.coordinate_descent_tuning == before
     for name in ("bf16+compile+fused-ce+fused-clip", "bf16+compile+fused-ce+fused-clip+cd-tuning"):
@@ -383,5 +387,5 @@ def test_a_second_derivative_is_refused_not_silently_wrong():
     w = torch.randn(40, 32, device=DEVICE, requires_grad=True)
     t = torch.randint(0, 40, (6,), device=DEVICE)
     loss = fused_linear_cross_entropy(x, w, t)
-    with pytest.raises(RuntimeError, match=r"first derivatives only.*GPT\.set_fused_loss\(False\)"):
+    with pytest.raises(RuntimeError, match=r"first derivatives only.*mpgpt\.fast\.convert\(model\)"):
         torch.autograd.grad(loss, x, create_graph=True)

@@ -1,4 +1,4 @@
-"""The tied embedding's gradient added into the output layer's (mpgpt.kernels.embedding): the kernels
+"""The tied embedding's gradient added into the output layer's (mpgpt.fast.embedding): the kernels
 against float64 over runs of one token that span many tiles, the same bits on every run, untouched
 rows left as they were; and the model option against the unfused model, eager and traced."""
 import re
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mpgpt.kernels import env as kenv
+from mpgpt.fast import convert
 from mpgpt.model import GPT, GPTConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter without a GPU
@@ -18,7 +19,7 @@ def _kernels():
         pytest.skip(why)
     if DEVICE == "cpu" and not kenv.interpreting():
         pytest.skip("CPU tensors run the kernels in Triton's interpreter, which is off where a GPU is")
-    from mpgpt.kernels import embedding
+    from mpgpt.fast import embedding
 
     return embedding
 
@@ -122,16 +123,14 @@ def test_the_model_option_gives_the_unfused_models_loss_and_gradients(loss, dtyp
     (checked over 150 seeds), and every other gradient agrees to within 2^-7."""
     emb = _kernels()
     monkeypatch.setattr(emb, "_triton_pass", lambda t: True)
-    model = _model().to(dtype)
-    if loss == "fused":
-        model.set_fused_loss(True)
+    model = convert(_model().to(dtype), fused_loss=loss == "fused")
     idx = _zipf_tokens((3, 12), 120).to(DEVICE)
     tgt = torch.randint(0, 120, (3, 12), device=DEVICE)
     _, ref = model(idx, tgt)
     ref.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    _, got = model.set_fused_embedding(True)(idx, tgt)
+    _, got = convert(model, fused_loss=loss == "fused", fused_emb=True)(idx, tgt)
     got.backward()
     assert model.fused_embedding is not None
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
@@ -148,7 +147,7 @@ def test_the_model_option_gives_the_unfused_models_loss_and_gradients(loss, dtyp
             assert ((p.grad.float() - want).abs() <= bound).all(), n
     assert model.transformer.wpe.weight.grad[12:].eq(0).all()
     logits, _ = model(idx)
-    torch.testing.assert_close(logits, model.set_fused_embedding(False)(idx)[0], rtol=0, atol=0)
+    torch.testing.assert_close(logits, convert(model, fused_loss=loss == "fused")(idx)[0], rtol=0, atol=0)
 
 
 def _eager_run(model):
@@ -168,7 +167,7 @@ def test_traced_it_is_one_graph_with_the_same_gradients(monkeypatch):
     runs op by op) takes the view the Function returns and the in-place operator in one graph."""
     emb = _kernels()
     monkeypatch.setattr(emb, "_triton_pass", lambda t: True)
-    model = _model().set_fused_embedding(True)
+    model = convert(_model(), fused_emb=True)
     idx, tgt, ref, grads = _eager_run(model)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     _, got = compiled(idx, tgt)
@@ -187,7 +186,7 @@ def test_inductor_adds_into_the_output_layers_gradient_buffer_itself(monkeypatch
     emb = _kernels()
     monkeypatch.setattr(emb, "_triton_pass", lambda t: False)  # torch's ops inside the operator: the
     # question here is what Inductor hands it
-    model = _model().set_fused_embedding(True)
+    model = convert(_model(), fused_emb=True)
     idx, tgt, _, grads = _eager_run(model)
     compiled = torch.compile(model, fullgraph=True)
     _, codes = run_and_get_code(lambda: compiled(idx, tgt)[1].backward())
@@ -205,7 +204,7 @@ def test_the_option_refuses_an_untied_model_other_modules_and_hooks():
     model = _model()
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
     with pytest.raises(RuntimeError, match="share one matrix"):
-        model.set_fused_embedding(True)
+        convert(model, fused_emb=True)
 
     class Head(torch.nn.Linear):  # e.g. a layer swapped in for the output layer, sharing its weight
         pass
@@ -215,13 +214,13 @@ def test_the_option_refuses_an_untied_model_other_modules_and_hooks():
     head.weight = model.lm_head.weight
     model.lm_head = head
     with pytest.raises(RuntimeError, match="holds Head"):
-        model.set_fused_embedding(True)
-    model = _model().set_fused_embedding(True)
+        convert(model, fused_emb=True)
+    model = convert(_model(), fused_emb=True)
     handle = model.lm_head.register_forward_hook(lambda *a: None)
     with pytest.raises(RuntimeError, match="hooks"):
         model(torch.zeros(1, 4, dtype=torch.long, device=DEVICE))
     handle.remove()
-    assert model.set_fused_embedding(False).fused_embedding is None
+    assert type(convert(model)) is GPT  # back to the reference
 
 
 def test_the_bench_rows_add_the_option_to_the_fastest_rows_and_train():
@@ -229,12 +228,13 @@ def test_the_bench_rows_add_the_option_to_the_fastest_rows_and_train():
     plus this option, and the trainer they build looks its input up through it and trains (no
     compile, no recording: the benchmark on a GPU does both)."""
     _kernels()
-    from mpgpt.bench.training import TRAIN_CONFIGS, make_trainer
+    from mpgpt.bench.training import make_trainer
+    from mpgpt.recipe import parse
 
     for bias, mlp in (("", "triton-mlp-qkv"), ("-nobias", "triton-mlp")):
         base = f"bf16+compile{bias}+fused-ce+optim16-mantissa+{mlp}+fused-ln+step-graph+no-mix-order"
         row = base.replace("+fused-ln+", "+fused-ln+fused-emb+")
-        assert TRAIN_CONFIGS[row] == {**TRAIN_CONFIGS[base], "fused_emb": True}
+        assert parse(row).settings() == {**parse(base).settings(), "fused_emb": True}
     trainer = make_trainer("bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+fused-emb+step-graph+"
                            "no-mix-order", preset="tiny", batch_size=2, block_size=16, device=DEVICE, cuda_graph=False,
                            compile=False, steps=2, warmup_steps=0)
@@ -263,9 +263,7 @@ def test_gpu_compiled_and_recorded_it_trains_like_the_unfused_model():
                           eval_batches=2, warmup_steps=6, lr=1e-3, model_overrides=dict(small), seed=1234,
                           log_interval=4, precision="bf16", grad_clip=0.5, device="cuda", optim16="fp32-master", **kw)
         torch.manual_seed(0)
-        model = GPT(GPTConfig.preset("tiny", vocab_size=128, **small)).set_fused_loss(True)
-        if fused:
-            model.set_fused_embedding(True)
+        model = convert(GPT(GPTConfig.preset("tiny", vocab_size=128, **small)), fused_loss=True, fused_emb=fused)
         return Trainer(cfg, model=model, dataset=TextDataset(default_corpus()))
 
     ref, fused = build(False), build(True, compile=True, cuda_graph=True)
@@ -284,14 +282,14 @@ def test_gpu_compiled_the_tied_matrixs_gradient_is_the_unfused_models():
     the two graphs), on text-like tokens whose long runs span many tiles."""
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("tiny", vocab_size=512, n_layer=2, n_embd=128, n_head=4, block_size=256))
-    model = model.to("cuda", torch.bfloat16).set_fused_loss(True)
+    model = convert(model.to("cuda", torch.bfloat16), fused_loss=True)
     idx, tgt = _zipf_tokens((8, 256), 512).cuda(), torch.randint(0, 512, (8, 256), device="cuda")
     _, ref = model(idx, tgt)
     ref.backward()
     want = model.transformer.wte.weight.grad.float().clone()
     model.zero_grad(set_to_none=True)
     torch._dynamo.reset()
-    _, got = torch.compile(model.set_fused_embedding(True))(idx, tgt)
+    _, got = torch.compile(convert(model, fused_loss=True, fused_emb=True))(idx, tgt)
     got.backward()
     have = model.transformer.wte.weight.grad.float()
     scale = want.abs().max().item()

@@ -340,7 +340,7 @@ def test_the_gluon_kernels_scope_is_checked_on_the_operands():
     """fp8_ws takes row-major fp8 operands with 16-byte aligned rows and a 16/32-bit output whose rows
     are a multiple of 16 bytes; everything else must go to the Triton kernels, never to a TMA
     descriptor that would fault or read the wrong bytes."""
-    from mpgpt.kernels import fp8_ws
+    from mpgpt.kernels.hopper import fp8_ws
     a = torch.randn(256, 512).to(torch.float8_e4m3fn)
     b = torch.randn(136, 512).to(torch.float8_e4m3fn)
     fits = fp8_ws.fp8_ws_operands_fit
@@ -428,7 +428,8 @@ def test_fp8_kernel_replayed_launch_matches_the_first(recipe, out_dtype):
 
 def gluon_or_skip():
     km = kernel_or_skip()
-    from mpgpt.kernels import env, fp8_ws
+    from mpgpt.kernels import env
+    from mpgpt.kernels.hopper import fp8_ws
     if not torch.cuda.is_available() or env.capability() != (9, 0) or fp8_ws.WS_FP8_IMPORT_ERROR:
         pytest.skip(fp8_ws.WS_FP8_IMPORT_ERROR or "the Gluon fp8 kernel is for Hopper (sm_90)")
     return km

@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mpgpt.fast import convert
 from mpgpt.fused_loss import chunked_linear_cross_entropy
 from mpgpt.model import GPT, GPTConfig
 
@@ -51,7 +52,7 @@ def test_the_model_gives_the_same_loss_and_gradients_in_chunked_mode():
     loss.backward()
     ref = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    logits2, loss2 = model.set_chunked_loss(7)(idx, tgt)
+    logits2, loss2 = convert(model, chunked_loss=7)(idx, tgt)
     loss2.backward()
     assert logits is not None and logits2 is None
     torch.testing.assert_close(loss2, loss, rtol=1e-6, atol=1e-6)  # fp32, different summation order
@@ -74,7 +75,7 @@ def test_a_second_derivative_is_refused_not_silently_wrong():
     w = torch.randn(11, 8, requires_grad=True)
     t = torch.randint(0, 11, (6,))
     loss = chunked_linear_cross_entropy(x, w, t, 4)
-    with pytest.raises(RuntimeError, match=r"first derivatives only.*GPT\.set_chunked_loss\(0\)"):
+    with pytest.raises(RuntimeError, match=r"first derivatives only.*mpgpt\.fast\.convert\(model\)"):
         torch.autograd.grad(loss, x, create_graph=True)
     (g,) = torch.autograd.grad(chunked_linear_cross_entropy(x, w, t, 4), x)
     assert torch.isfinite(g).all()

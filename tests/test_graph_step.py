@@ -145,13 +145,13 @@ def test_gpu_recorded_step_compiled_with_fused_loss_and_clip():
     the clip inside AdamW, recorded. Same tolerance and reason as the eager comparison."""
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("bf16 needs sm_80 or newer")
+    from mpgpt.fast import convert
     from mpgpt.model import GPT, GPTConfig
 
     def build(**kw):
         cfg = _cfg(device="cuda", precision="bf16", compile=True, fused_clip=True, grad_clip=0.05, **kw)
         torch.manual_seed(0)  # the same initial weights for both trainers
-        model = GPT(GPTConfig.preset("tiny", vocab_size=128, **SMALL))
-        model.set_fused_loss(True)
+        model = convert(GPT(GPTConfig.preset("tiny", vocab_size=128, **SMALL)), fused_loss=True)
         from mpgpt.data import TextDataset, default_corpus
         return Trainer(cfg, model=model, dataset=TextDataset(default_corpus()))
 
@@ -178,13 +178,15 @@ def test_gpu_recorded_step_resumes_from_a_checkpoint(tmp_path):
 
 def test_each_step_graph_row_is_its_base_row_recorded():
     """The bench's +step-graph rows change one thing against the row before them on the ladder."""
-    from mpgpt.bench.training import TRAIN_CONFIGS, make_trainer
+    from mpgpt.bench.training import make_trainer
+    from mpgpt.recipe import parse
+    from recipe_signature import old_rows
 
-    rows = [name for name in TRAIN_CONFIGS if name.endswith("+step-graph")]
+    rows = [name for name in old_rows() if name.endswith("+step-graph")]
     assert len(rows) >= 4
     for name in rows:
         base = name[: -len("+step-graph")]
-        assert TRAIN_CONFIGS[name] == {**TRAIN_CONFIGS[base], "cuda_graph": True}, name
+        assert parse(name).settings() == {**parse(base).settings(), "cuda_graph": True}, name
     # and the bench hands the option to the trainer (which refuses it on the CPU)
     with pytest.raises(ValueError, match="cuda_graph needs a CUDA device"):
         make_trainer("bf16+compile+step-graph", preset="tiny", batch_size=2, block_size=16, device="cpu")

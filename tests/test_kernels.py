@@ -27,7 +27,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from mpgpt import kernels
-from mpgpt.kernels import TritonLinear, env, gelu_tanh_grad, grouped, launch, matmul, plan, streamk, tma, ws
+from mpgpt.kernels import TritonLinear, env, gelu_tanh_grad, grouped, launch, matmul, plan
+from mpgpt.kernels.hopper import tma, ws
 
 mm = importlib.import_module("mpgpt.kernels.matmul")  # the module (the package re-exports the function)
 
@@ -392,83 +393,6 @@ def test_split_k_matches_float64(M, N, K, split_k):
     assert rel_err(matmul(a, b, split_k=split_k), ref) < TOL[torch.bfloat16]
 
 
-# ------------------------------------------------------------------------------------------------
-# Stream-K (streamk.py): every (tile, K-step) pair shared out over a persistent grid
-# ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("total,programs", [(1, 1), (7, 1), (7, 5), (7, 7), (144 * 192, 132), (36 * 192, 132),
-                                            (1000003, 256), (1000003, 5)])
-def test_streamk_stretches_cover_every_pair_once(total, programs):
-    """The kernel's stretches (start = p * total // P) cover [0, total) end to end, none empty
-    (the host launches at most as many programs as pairs), and the fixup's inverse formula names
-    the program that holds each pair. (144 x 192: c_fc's dW on 132 multiprocessors.)"""
-    st = streamk.stretches(total, programs)
-    assert st[0][0] == 0 and st[-1][1] == total
-    assert all(s1 == e0 for (_, e0), (s1, _) in zip(st, st[1:])) and all(e > s for s, e in st)
-    for i in {0, total // 3, total // 2, total - 1}:
-        p = ((i + 1) * programs - 1) // total  # streamk_fixup_kernel's formula
-        assert st[p][0] <= i < st[p][1], (i, p, st[p])
-
-
-# (M, N, K, programs): one program (no parts); stretches longer than a tile, ending mid-tile or
-# (15 programs) exactly on tile boundaries; shorter than a tile; one K-step per program, so each
-# tile is summed from as many parts as it has K-steps; edges in M, N and K with stretches that
-# straddle tiles. (Capped at the product's (tile, K-step) pairs, which on a GPU's 128 x 128 x 64
-# tiles are fewer.)
-STREAMK_CASES = [(96, 160, 200, 1), (96, 160, 200, 7), (96, 160, 200, 15), (64, 64, 64, 13), (40, 48, 96, 24),
-                 (104, 168, 200, 11), (104, 168, 200, 40)]
-
-
-@pytest.mark.parametrize("M,N,K,programs", STREAMK_CASES)
-def test_streamk_matches_float64(M, N, K, programs):
-    """Stream-K on a weight-gradient layout (A column-major), into fp32, bf16 and fp16 outputs
-    that start as NaN, so a tile neither stored whole nor summed by the fixup fails. fp32: the
-    accumulation error only (sums of at most K products in fp32); 16-bit: one rounding (TOL)."""
-    programs = min(programs, streamk.pairs(M, N, K)[1])
-    for dtype in (torch.bfloat16, torch.float16):
-        a, b = rand(K, M, dtype=dtype).t(), rand(K, N, dtype=dtype)
-        ref = reference(a, b)
-        out32 = torch.full((M, N), float("nan"), device=DEVICE)
-        streamk.launch(a, b, out32, programs=programs)
-        assert rel_err(out32, ref) < 1e-5, (dtype, programs)
-        out16 = torch.full((M, N), float("nan"), device=DEVICE, dtype=dtype)
-        streamk.launch(a, b, out16, programs=programs)
-        assert rel_err(out16, ref) < TOL[dtype], (dtype, programs)
-
-
-def test_streamk_reads_every_layout_and_strided_outputs():
-    """A and B in both memory orders, and an output that is a column slice of a wider buffer:
-    every element of the slice written, nothing beside it."""
-    M, N, K = 48, 80, 112
-    for a_t in (False, True):
-        for b_t in (False, True):
-            a = rand(K, M).t() if a_t else rand(M, K)
-            b = rand(N, K).t() if b_t else rand(K, N)
-            buf = torch.full((M, N + 16), float("nan"), device=DEVICE)
-            out = buf[:, 8:8 + N]
-            matmul(a, b, out=out, kernel="streamk")
-            assert rel_err(out, reference(a, b)) < 1e-5, (a_t, b_t)
-            assert buf[:, :8].isnan().all() and buf[:, 8 + N:].isnan().all()
-    a, b = rand(M, K + 8)[:, :K], rand(K, N + 16)[:, :N]  # column slices: row pitch wider than the row
-    assert rel_err(matmul(a, b, kernel="streamk"), reference(a, b)) < TOL[torch.bfloat16]
-
-
-def test_streamk_refusals_say_what_to_do():
-    a, b = rand(64, 32).t(), rand(64, 48)
-    with pytest.raises(ValueError, match="no epilogue"):
-        matmul(a, b, rand(48), kernel="streamk")
-    with pytest.raises(ValueError, match="grouped kernel"):
-        matmul(a, b, kernel="streamk", split_k=2)
-    with pytest.raises(ValueError, match="cannot run this product.*use kernel='auto'"):
-        matmul(rand(64, 36)[:, :30], rand(30, 48), kernel="streamk")  # 60-byte rows: no descriptor
-    with pytest.raises(ValueError, match="programs must be between 1 and"):
-        streamk.launch(a, b, torch.empty(32, 48, device=DEVICE), programs=10**6)
-    # A vocabulary-wide product with a long K: many (tile, K-step) pairs, one program each. Refused
-    # before anything is read, so B can be a broadcast view that takes no memory.
-    big_a, big_b = rand(16, 8192), torch.zeros(1, dtype=torch.bfloat16, device=DEVICE).expand(8192, 50304)
-    with pytest.raises(ValueError, match="32-bit arithmetic; use fewer programs"):
-        streamk.launch(big_a, big_b, torch.empty(16, 50304, device=DEVICE), programs=streamk.pairs(16, 50304, 8192)[1])
-
-
 def test_auto_split_k_only_for_few_tiles_and_long_k():
     # With 132 SMs (H200): GPT-2's weight gradients (out x in, K = 12288 tokens) are split so
     # there are at least two waves of programs; the forward and dX shapes (M = 12288) are not.
@@ -551,7 +475,8 @@ def test_column_sum_kernels_launch_within_cuda_grid_limits(monkeypatch):
     """GELU's backward with the bias sums and the head merge put one program per row group: with
     millions of rows (a layer of small width over a long batch) that must stay a grid CUDA can
     launch. The interpreter enforces no limit, so the grid is checked, not run."""
-    from mpgpt.kernels import gelu, heads
+    from mpgpt.kernels import gelu
+    from mpgpt.fast import heads
     M = 70_000 * 128  # more row groups than 65535 at the GPU's and the interpreter's ROWS
     spy = _GridSpy()
     monkeypatch.setattr(gelu, "_gelu_backward_bias_kernel", spy)
@@ -747,18 +672,19 @@ def test_triton_linear_gelu_backward_sums_the_bias_in_its_own_pass(bias_grad, mo
 
 
 @pytest.mark.parametrize("activation", [None, "gelu"])
-def test_triton_linear_gradients_on_streamk(activation, monkeypatch):
-    """INPUT_GRAD_KERNEL and WEIGHT_GRAD_KERNEL = "streamk" put dX and dW on the stream-K kernel
-    (counted) and give the default path's gradients: dW (fp32) within fp32 accumulation error, dX
-    (rounded to bf16 once, from sums in another order) within bf16's rounding. A layer whose
-    products the kernel cannot read (an odd width: no descriptor) falls back to "auto"."""
+def test_triton_linear_gradients_on_another_kernel(activation, monkeypatch):
+    """INPUT_GRAD_KERNEL and WEIGHT_GRAD_KERNEL = "tma" put dX and dW on the TMA kernel (counted;
+    the interpreter runs it as the grouped kernel) and give the default path's gradients: dW (fp32)
+    within fp32 accumulation error, dX (rounded to bf16 once, from sums in another order) within
+    bf16's rounding. On a GPU, a layer whose products the kernel cannot read (an odd width: no
+    descriptor) falls back to "auto"."""
     from mpgpt.kernels import linear
     kinds = []
     real = mm._matmul_2d
     monkeypatch.setattr(mm, "_matmul_2d", lambda *a, **k: kinds.append(k.get("kernel", "auto")) or real(*a, **k))
     monkeypatch.setattr(importlib.import_module("mpgpt.kernels.ops"), "_matmul_2d", mm._matmul_2d)
     grads = {}
-    for choice in ("auto", "streamk"):
+    for choice in ("auto", "tma"):
         monkeypatch.setattr(linear, "INPUT_GRAD_KERNEL", choice)
         monkeypatch.setattr(linear, "WEIGHT_GRAD_KERNEL", choice)
         torch.manual_seed(0)
@@ -770,20 +696,22 @@ def test_triton_linear_gradients_on_streamk(activation, monkeypatch):
         y.float().square().sum().backward()
         assert kinds == [choice, choice], kinds  # dX, then dW
         grads[choice] = (x.grad, lin.weight.grad, lin.bias.grad)
-    (dx, dw, db), (dx_sk, dw_sk, db_sk) = grads["auto"], grads["streamk"]
+    (dx, dw, db), (dx_sk, dw_sk, db_sk) = grads["auto"], grads["tma"]
     assert rel_err(dw_sk, dw.double()) < 1e-5 and rel_err(dx_sk, dx.double()) < TOL[torch.bfloat16]
     assert torch.equal(db_sk, db)  # not a matmul: the same kernel either way
+    from mpgpt.kernels import ops
+    with pytest.raises(ValueError, match="kernel must be one of"):  # a typo is an error, not a fallback
+        ops.matmul_impl(rand(32, 48), rand(48, 16), torch.float32, "t-m-a")
+    if env.interpreting() or env.capability(torch.device(DEVICE)) < (9, 0):
+        return  # only Hopper runs the TMA kernel, and refuses what it cannot read
     lin = nn.Linear(36, 20, device=DEVICE)  # 36 bf16 inputs: 72-byte rows, no descriptor
     x = torch.randn(16, 36, device=DEVICE, requires_grad=True)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
         y = TritonLinear.from_linear(lin)(x)
     kinds.clear()
-    with pytest.warns(UserWarning, match="kernel='streamk' cannot run this .* running kernel='auto' instead"):
+    with pytest.warns(UserWarning, match="kernel='tma' cannot run this .* running kernel='auto' instead"):
         y.float().sum().backward()
     assert kinds == ["auto", "auto"] and torch.isfinite(lin.weight.grad).all()
-    from mpgpt.kernels import ops
-    with pytest.raises(ValueError, match="kernel must be one of"):  # a typo is an error, not a fallback
-        ops.matmul_impl(rand(32, 48), rand(48, 16), torch.float32, "stream-k")
 
 
 def test_triton_linear_operators_pass_torch_opcheck():
@@ -794,7 +722,7 @@ def test_triton_linear_operators_pass_torch_opcheck():
     torch.library.opcheck(ops.linear_forward, (x, w, b, "gelu", True))
     torch.library.opcheck(ops.linear_forward, (x, w, None, None, False))
     torch.library.opcheck(ops.matmul, (x, w.t(), torch.float32))
-    torch.library.opcheck(ops.matmul, (rand(64, 32).t(), rand(64, 48), torch.float32, "streamk"))
+    torch.library.opcheck(ops.matmul, (rand(64, 32).t(), rand(64, 48), torch.float32, "tma"))
     g, z = rand(10, 48), rand(10, 48)
     torch.library.opcheck(ops.gelu_backward, (g, z, True))
     torch.library.opcheck(ops.gelu_backward, (g, z, False))
@@ -806,9 +734,9 @@ def test_operators_have_no_python_layer_at_the_autograd_key():
     of every call (about 15 us of host time a call on an H100 machine, 100-200 calls a compiled
     step). Every per-layer operator the package uses must be registered that way: a kernel for
     CPU and CUDA alike (CompositeExplicitAutograd), none at the Autograd key, and a fake."""
-    import mpgpt.kernels.layernorm  # noqa: F401  (each module registers its operators on import)
-    import mpgpt.kernels.mlp  # noqa: F401
-    import mpgpt.kernels.qkv  # noqa: F401
+    import mpgpt.fast.layernorm  # noqa: F401  (each module registers its operators on import)
+    import mpgpt.fast.mlp  # noqa: F401
+    import mpgpt.fast.qkv  # noqa: F401
     from mpgpt.kernels import library
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -826,7 +754,7 @@ def test_operators_have_no_python_layer_at_the_autograd_key():
 
 
 @pytest.mark.parametrize("activation,use_bias,grad_kernel", [("gelu", True, "auto"), (None, False, "auto"),
-                                                             ("gelu", "frozen", "auto"), ("gelu", True, "streamk")])
+                                                             ("gelu", "frozen", "auto"), ("gelu", True, "tma")])
 def test_triton_linear_compiles_in_one_graph(activation, use_bias, grad_kernel, monkeypatch):
     """torch.compile traces TritonLinear under autocast without a graph break (its kernels are
     custom operators, ops.py) and the compiled forward and backward give exactly eager's
@@ -1173,7 +1101,7 @@ def _weight_grad(tokens, fout, fin):
     return fake_cuda(tokens, fout).t(), fake_cuda(tokens, fin)
 
 
-def test_plan_in_the_interpreter_is_the_grouped_kernel_unless_streamk_is_asked():
+def test_plan_in_the_interpreter_is_the_grouped_kernel():
     if not env.interpreting():
         pytest.skip("runs where Triton's interpreter is on (no GPU)")
     a, b = rand(40, 48), rand(48, 36)
@@ -1181,8 +1109,6 @@ def test_plan_in_the_interpreter_is_the_grouped_kernel_unless_streamk_is_asked()
         p = plan(a, b, kernel=kernel)
         assert (p.kernel, p.split_k, p.interpreted) == ("grouped", 1, True), (kernel, p)
         assert "interpreter" in p.reason
-    a16, b16 = rand(48, 48), rand(48, 32)  # the stream-K kernel runs in the interpreter itself
-    assert plan(a16, b16, kernel="streamk").kernel == "streamk"
     assert plan(a, b, split_k=3) == kernels.Plan("grouped", 3, True, plan(a, b, split_k=3).reason)
     assert plan(a, b, split_k=3).split_k == 3
     with pytest.raises(dataclasses_frozen_error()):
@@ -1285,22 +1211,6 @@ def test_plan_on_sm90_splits_k_for_a_weight_gradient_with_few_tiles(fake_gpu, mo
         plan(a, b, fake_cuda(768), split_k=2)
     with pytest.raises(ValueError, match="grouped kernel"):
         plan(a, b, split_k=2, kernel="tma")
-
-
-def test_plan_runs_streamk_only_when_asked(fake_gpu):
-    """kernel="streamk" on sm_90 for an addressable product; never chosen by "auto"; a clear
-    error below sm_90 and for operands a descriptor cannot address."""
-    fake_gpu((9, 0))
-    for shape in ((12288, 3072, 768), (12288, 768, 768), (12288, 768, 3072)):
-        a, b = _weight_grad(*shape)
-        p = plan(a, b, kernel="streamk")
-        assert (p.kernel, p.split_k, p.interpreted) == ("streamk", 1, False) and "sm_90" in p.reason, p
-        assert plan(a, b).kernel != "streamk"
-    with pytest.raises(ValueError, match="Hopper GPU"):
-        plan(fake_cuda(12288, 768, ptr=2), fake_cuda(768, 768), kernel="streamk")
-    fake_gpu((8, 0))
-    with pytest.raises(ValueError, match="Hopper GPU.*use kernel='auto'"):
-        plan(*_weight_grad(12288, 3072, 768), kernel="streamk")
 
 
 @pytest.mark.skipif(ws.WS_IMPORT_ERROR is not None, reason="this Triton has no Gluon")
@@ -1480,36 +1390,11 @@ def test_gpu_split_k_and_gelu_backward():
 
 
 @pytest.mark.sm80
-def test_gpu_streamk_at_gpt2_weight_gradients():
-    """The stream-K kernel at GPT-2 small's four weight-gradient shapes (K = 12288 tokens) and with
-    a few programs (many parts per tile), against float64; three runs bit for bit the same (the
-    fixup sums each tile's parts in program order, whichever program finished first); the second
-    and third go through the lean launch path's replay."""
-    if env.capability(torch.device("cuda")) < (9, 0):
-        pytest.skip("the stream-K kernel needs sm_90")
-    for out_f, in_f in [(768, 768), (2304, 768), (3072, 768), (768, 3072)]:
-        g_t, x = rand(12288, out_f).t(), rand(12288, in_f)  # dY^T (column-major), X
-        ref = reference(g_t, x)
-        runs = []
-        for _ in range(3):
-            out = torch.full((out_f, in_f), float("nan"), device="cuda")
-            matmul(g_t, x, out=out, kernel="streamk")
-            runs.append(out)
-        # fp32 sums of 12288 products: ~sqrt(K) * 2^-24 = 7e-6 relative; a lost part gives ~1e-2 or more
-        assert rel_err(runs[0], ref) < 5e-5, (out_f, in_f)
-        assert all(torch.equal(runs[0], r) for r in runs[1:]), (out_f, in_f)
-        assert rel_err(matmul(g_t, x, kernel="streamk"), ref) < TOL[torch.bfloat16]
-        few = torch.full((out_f, in_f), float("nan"), device="cuda")
-        streamk.launch(g_t, x, few, programs=7)
-        assert rel_err(few, ref) < 5e-5, (out_f, in_f)
-
-
-@pytest.mark.sm80
-@pytest.mark.parametrize("dx_kernel,dw_kernel", [("auto", "auto"), ("ws", "streamk")])
+@pytest.mark.parametrize("dx_kernel,dw_kernel", [("auto", "auto"), ("ws", "tma")])
 @pytest.mark.parametrize("activation", [None, "gelu"])
 def test_gpu_triton_linear_backward(activation, dx_kernel, dw_kernel, monkeypatch):
     """Forward and both gradients against float64, with the gradient products on `auto`'s kernels
-    and on the ws (dX) and stream-K (dW) kernels (where those cannot run, `auto` runs instead)."""
+    and on the ws (dX) and TMA (dW) kernels (where those cannot run, `auto` runs instead)."""
     from mpgpt.kernels import linear
     monkeypatch.setattr(linear, "INPUT_GRAD_KERNEL", dx_kernel)
     monkeypatch.setattr(linear, "WEIGHT_GRAD_KERNEL", dw_kernel)
@@ -1533,7 +1418,7 @@ def test_gpu_triton_linear_backward(activation, dx_kernel, dw_kernel, monkeypatc
     assert rel_err(lin.weight.grad, dw) < 1e-2
     assert rel_err(lin.bias.grad, db) < 1e-2
     if dx_kernel != "auto" and env.capability(x.device) == (9, 0):
-        assert {"ws", "streamk"} <= set(planned), planned  # the gradient products ran where asked
+        assert {"ws", "tma"} <= set(planned), planned  # the gradient products ran where asked
     # GELU with Z kept for backward: the warp-specialised GELU epilogue wherever it runs (ops.py)
     assert len(gelu_launches) == (activation == "gelu" and ws.runs_here(x))
 
@@ -1670,8 +1555,7 @@ def test_gpu_lean_launch_repeats_the_ordinary_launch(monkeypatch):
     right against float64; a misaligned view (Triton specialises on 16-byte alignment) must get a
     plan of its own. Cases: the forward layout with bias+GELU (TMA kernel on sm_90), with bias
     only (warp-specialised kernel on sm_90), a strided grouped launch, a weight gradient that
-    splits K, and on sm_90 a row-major B on the warp-specialised kernel and a weight gradient on
-    stream-K."""
+    splits K, and on sm_90 a row-major B on the warp-specialised kernel."""
     monkeypatch.delenv("MPGPT_LEAN_LAUNCH", raising=False)
     launch.CACHE.clear()
 
@@ -1686,15 +1570,13 @@ def test_gpu_lean_launch_repeats_the_ordinary_launch(monkeypatch):
             return rand(12288, 768).t(), rand(12288, 768), None, None, "auto"
         if case == "ws_row_major":  # dX = dY @ W on the warp-specialised kernel (sm_90)
             return rand(2048, 3072), rand(3072, 768), None, None, "ws"
-        if case == "streamk":  # dW on the stream-K kernel and its fixup (sm_90)
-            return rand(12288, 3072).t(), rand(12288, 768), None, None, "streamk"
         big = rand(777 * 512 + 1)  # misaligned: starts 2 bytes past an aligned address
         return big[1:].view(777, 512), rand(512, 640), rand(640), "relu", "auto"
 
     aligned = rand(777, 512), rand(512, 640), rand(640), "relu", "auto"
     matmul(aligned[0], aligned[1], aligned[2], aligned[3])  # the misaligned case's aligned twin
     hopper = env.capability(torch.device("cuda")) == (9, 0)
-    for case in ("forward", "ws", "grouped", "split", "misaligned") + (("ws_row_major", "streamk") if hopper else ()):
+    for case in ("forward", "ws", "grouped", "split", "misaligned") + (("ws_row_major",) if hopper else ()):
         first = operands(case)
         n = len(launch.CACHE)
         matmul(first[0], first[1], first[2], first[3], kernel=first[4])
@@ -1757,6 +1639,7 @@ def test_gpu_tiny_gpt_trains_like_nn_linear():
     10-step gap measured 0.052 nats, with TritonLinear's run the lower one. We require every
     10-step mean within 0.1 nats, TritonLinear's last 10 steps no worse than nn.Linear's + 0.02,
     and the loss well below ln(V). A wrong gradient leaves the loss near ln(V) = 4.2: gaps of nats."""
+    from mpgpt.fast import convert
     from mpgpt.model import GPT, GPTConfig
 
     torch.manual_seed(0)
@@ -1772,7 +1655,7 @@ def test_gpu_tiny_gpt_trains_like_nn_linear():
         torch.manual_seed(1)
         model = GPT(cfg).cuda()
         if use_triton:
-            model.use_triton(True)
+            convert(model, triton="all")
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         g = torch.Generator().manual_seed(2)
         losses = []
@@ -1803,5 +1686,5 @@ def test_triton_linear_refuses_a_second_derivative():
     x = torch.randn(5, 16, device=DEVICE, requires_grad=True)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
         y = layer(x)
-    with pytest.raises(RuntimeError, match=r"TritonLinear computes first derivatives only.*use_triton\(False\)"):
+    with pytest.raises(RuntimeError, match=r"TritonLinear computes first derivatives only.*fast\.convert\(model\)"):
         torch.autograd.grad(y.float().sum(), x, create_graph=True)

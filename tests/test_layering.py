@@ -6,8 +6,11 @@ The test reads every module's import statements (it does not import anything) an
 1. the graph of all imports between mpgpt modules has no cycle;
 2. a module-level import goes to a strictly lower layer, or within the module's own package
    (mpgpt.kernels.* among themselves, mpgpt.bench.* among themselves);
-3. an import inside a function is allowed only across an optional boundary (model -> kernels,
+3. an import inside a function is allowed only across an optional boundary (fp8 -> kernels,
    where Triton may be missing); any other one would hide a cycle or an upward dependency.
+
+And the reference model (mpgpt/model.py) imports nothing of the fast path, at any level: speed is
+applied to it from outside (mpgpt.fast.convert).
 """
 import ast
 from pathlib import Path
@@ -25,6 +28,8 @@ LAYERS = {
     "graph_step": 1,
     "model": 2, "fp8": 2,
     "kernels": 3,
+    "fast": 3.5,      # the converter and the fast forward passes, on top of the kernels
+    "recipe": 3.75,   # recipe names -> settings; builds through the converter
     "trainer": 4,
     "distributed": 5,
     "train": 6,
@@ -32,8 +37,8 @@ LAYERS = {
     "labs": 7, "grade": 7,
 }
 # function-level imports that cross an optional dependency: (importer, imported) by layer name
-OPTIONAL_BOUNDARIES = {("model", "kernels")}
-OPTIONAL_BOUNDARIES.add(("fp8", "kernels"))  # Fp8Linear's fused cast; mpgpt.kernels.fp8_* import fp8 at the top
+OPTIONAL_BOUNDARIES = {("fp8", "kernels")}  # Fp8Linear's fused cast
+OPTIONAL_BOUNDARIES.add(("recipe", "fast"))  # a recipe's fast-path switches: Triton is optional for chapters 1-5
 OPTIONAL_BOUNDARIES.add(("trainer", "kernels"))  # optim16: the fused Triton AdamW on a GPU, the reference elsewhere
 
 
@@ -193,6 +198,27 @@ def test_the_parser_sees_every_form_of_import(tmp_path, source, expected):
     edges["mpgpt.precision"] = (fake, imports_of(planted, "mpgpt.precision"))
     found = "\n".join(problems(edges))
     assert expected in found, found
+
+
+# What the reference model may import: the leaves it is built on, nothing that makes it fast.
+FAST_PATH = ("mpgpt.kernels", "mpgpt.fast", "mpgpt.fused_loss", "mpgpt.recipe")
+
+
+def test_the_reference_model_imports_nothing_of_the_fast_path():
+    edges = graph()
+    imported = {target for target, _, _ in edges["mpgpt.model"][1]}
+    assert imported <= {"mpgpt.runtime"}, sorted(imported)
+    assert not [t for t in imported if t.startswith(FAST_PATH)]
+    source = (PACKAGE / "model.py").read_text(encoding="utf-8")
+    assert "importlib" not in source and "__import__" not in source  # no import by name either
+    assert len(source.splitlines()) <= 450, "the reference model is meant to fit in a reader's head"
+
+
+def test_a_fast_path_import_in_the_model_is_caught():
+    edges = dict(graph())
+    path, imports = edges["mpgpt.model"]
+    edges["mpgpt.model"] = (path, imports + [("mpgpt.fast.mlp", 1, False)])
+    assert "inside a function" in "\n".join(problems(edges))
 
 
 def test_a_cycle_inside_a_package_is_found():

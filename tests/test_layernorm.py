@@ -1,4 +1,4 @@
-"""Tests for mpgpt/kernels/layernorm.py: the residual add with its LayerNorm, the backward in one pass.
+"""Tests for mpgpt/fast/layernorm.py: the residual add with its LayerNorm, the backward in one pass.
 
 The reference is torch's LayerNorm in float64 with float64 autograd, on the same (already rounded)
 inputs. The kernel evaluates the formulas in fp32, so in fp32 its gradients agree to fp32 rounding
@@ -17,7 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mpgpt.kernels import env, layernorm
+from mpgpt.fast import convert
+from mpgpt.kernels import env
+from mpgpt.fast import layernorm
+from mpgpt.model import GPT
 from compile_check import assert_compiles_like_eager
 from path_check import assert_took, take_path
 from test_mlp import rel_err, small_model  # the same norm-relative error and tiny model
@@ -108,7 +111,7 @@ def test_layer_norm_backward_reads_a_strided_weight():
 def test_the_custom_operators_pass_torch_opcheck(path, monkeypatch):
     """torch.library.opcheck: schema, fake (meta) implementation, no aliasing, and the dispatcher's
     other checks, for LayerNorm's backward and the head merge, on both paths."""
-    from mpgpt.kernels import heads, qkv
+    from mpgpt.fast import heads, qkv
     monkeypatch.setattr(layernorm, "_triton_backward", lambda *t: path == "triton")
     monkeypatch.setattr(qkv, "_triton_merge", lambda t: path == "triton")
     x, dy, dres, w, b, mean, rstd = inputs(20, 48, torch.bfloat16)
@@ -301,18 +304,18 @@ def test_residual_layer_norm_compiles_into_one_graph():
 # ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_set_fused_layer_norm_keeps_the_loss_and_the_gradients(bias, backward_path):
+def test_fused_layer_norm_keeps_the_loss_and_the_gradients(bias, backward_path):
     """The regrouped blocks compute the same sums: a bf16 model's loss and gradients match the
     unfused model's to bf16 accuracy (test_model's bounds), with the fused MLP and attention input
-    on too; set_fused_layer_norm(False) and activation checkpointing take the unfused blocks."""
+    on too; converting back and activation checkpointing take the unfused blocks."""
     torch.manual_seed(4)
     ref = small_model(torch.bfloat16, bias=bias)
     model = small_model(torch.bfloat16, bias=bias)
     model.load_state_dict(ref.state_dict())
-    model.set_fused_layer_norm(True).use_triton(layers="mlp+qkv")
+    convert(model, fused_ln=True, triton="mlp+qkv")
     assert_same_loss_and_gradients(ref, model, DEVICE)
     assert model.fused_layer_norm is layernorm.residual_layer_norm
-    assert model.set_fused_layer_norm(False).fused_layer_norm is None
+    assert type(convert(model)) is GPT
 
 
 def autocast_losses(ref, model):
@@ -337,9 +340,8 @@ def test_an_fp32_model_under_autocast_gets_the_unfused_loss_and_gradients(backwa
     missing term or a rounding in the wrong place."""
     ref, model = small_model(torch.float32), small_model(torch.float32)
     model.load_state_dict(ref.state_dict())
-    model.set_fused_layer_norm(True)
-    for m in (ref, model):
-        m.set_fused_loss(True)
+    convert(model, fused_ln=True, fused_loss=True)
+    convert(ref, fused_loss=True)
     losses = autocast_losses(ref, model)
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=0)
     for (name, a), b in zip(ref.named_parameters(), model.parameters()):
@@ -366,13 +368,11 @@ def test_bias_in_add_keeps_the_loss_and_the_gradients(layers, backward_path, mon
     torch.manual_seed(6)
     ref, model = small_model(torch.bfloat16), small_model(torch.bfloat16)
     model.load_state_dict(ref.state_dict())
-    model.set_fused_layer_norm(True, bias_in_add=True)
-    if layers:
-        model.use_triton(layers=layers)
+    convert(model, fused_ln=True, bias_in_add=True, triton=layers)
     seen = count_branch_biases(model, monkeypatch)
     assert_same_loss_and_gradients(ref, model, DEVICE)
     assert seen == [False] + [True] * 4  # ln_1 of the first block has no branch
-    assert model.set_fused_layer_norm(False).bias_in_add is False
+    assert convert(model, fused_ln=True).bias_in_add is False
 
 
 def test_bias_in_add_under_autocast_keeps_fp32_bias_gradients(backward_path, monkeypatch):
@@ -382,7 +382,7 @@ def test_bias_in_add_under_autocast_keeps_fp32_bias_gradients(backward_path, mon
     torch.manual_seed(7)
     ref, model = small_model(torch.float32), small_model(torch.float32)
     model.load_state_dict(ref.state_dict())
-    model.set_fused_layer_norm(True, bias_in_add=True)
+    convert(model, fused_ln=True, bias_in_add=True)
     seen = count_branch_biases(model, monkeypatch)
     losses = [loss.item() for loss in autocast_losses(ref, model)]
     assert abs(losses[1] - losses[0]) < 1e-2 * losses[0] and sum(seen) == 4
@@ -393,7 +393,7 @@ def test_bias_in_add_under_autocast_keeps_fp32_bias_gradients(backward_path, mon
 def test_bias_in_add_keeps_the_bias_where_dropout_follows_c_proj(monkeypatch):
     """Dropout after c_proj in training: dropout(y W + b) is not dropout(y W) + b, so every
     branch keeps its bias; in eval mode (no dropout) they move to the residual add."""
-    model = small_model(torch.float32, dropout=0.2).set_fused_layer_norm(True, bias_in_add=True)
+    model = convert(small_model(torch.float32, dropout=0.2), fused_ln=True, bias_in_add=True)
     seen = count_branch_biases(model, monkeypatch)
     idx = torch.randint(0, 65, (2, 16), device=DEVICE)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
@@ -406,7 +406,7 @@ def test_bias_in_add_keeps_the_bias_where_dropout_follows_c_proj(monkeypatch):
 def test_bias_in_add_keeps_the_bias_of_a_hooked_c_proj(monkeypatch):
     """A hook on c_proj must see c_proj's own output, bias included: that branch keeps its bias
     (and the hook runs); the other branches move theirs."""
-    model = small_model(torch.float32).set_fused_layer_norm(True, bias_in_add=True)
+    model = convert(small_model(torch.float32), fused_ln=True, bias_in_add=True)
     seen, calls = count_branch_biases(model, monkeypatch), []
     handle = model.transformer.h[0].attn.c_proj.register_forward_hook(lambda *a: calls.append(1))
     try:
@@ -426,7 +426,7 @@ def test_dropout_draws_the_same_masks_fused_and_unfused():
     two apart with a margin of about 8 on one side and 12 on the other."""
     ref, model = small_model(torch.float32, dropout=0.2), small_model(torch.float32, dropout=0.2)
     model.load_state_dict(ref.state_dict())
-    model.set_fused_layer_norm(True)
+    convert(model, fused_ln=True)
     idx = torch.randint(0, 65, (2, 16), device=DEVICE)
     logits = []
     for m, seed in ((ref, 8), (model, 8), (model, 9)):
@@ -439,7 +439,7 @@ def test_dropout_draws_the_same_masks_fused_and_unfused():
 
 
 def test_activation_checkpointing_takes_the_unfused_blocks():
-    model = small_model(torch.float32).set_fused_layer_norm(True).set_activation_checkpointing(True)
+    model = convert(small_model(torch.float32), fused_ln=True).set_activation_checkpointing(True)
     model.fused_layer_norm = lambda *a: pytest.fail("the fused blocks ran under activation checkpointing")
     idx = torch.randint(0, 65, (2, 16), device=DEVICE)
     _, loss = model(idx, idx)
@@ -450,7 +450,7 @@ def test_activation_checkpointing_takes_the_unfused_blocks():
 def test_fused_blocks_refuse_hooks_they_would_skip(where):
     """The regrouped loop never calls Block.forward or a LayerNorm's forward: a hook on either (FSDP2
     adds one to each block) would silently not run, so the forward pass refuses instead."""
-    model = small_model(torch.bfloat16).set_fused_layer_norm(True)
+    model = convert(small_model(torch.bfloat16), fused_ln=True)
     block, calls = model.transformer.h[1], []
     hook = lambda *a: calls.append(a) and None  # noqa: E731
     handle = {"block forward": lambda: block.register_forward_pre_hook(hook),
@@ -462,7 +462,7 @@ def test_fused_blocks_refuse_hooks_they_would_skip(where):
         idx = torch.randint(0, 65, (2, 16), device=DEVICE)
         with pytest.raises(RuntimeError, match="hooks are registered"):
             model(idx, idx)
-        _, loss = model.set_fused_layer_norm(False)(idx, idx)
+        _, loss = convert(model)(idx, idx)
         loss.backward()
         assert calls  # unfused, the hook runs
     finally:
@@ -516,14 +516,14 @@ def test_fused_blocks_refuse_a_wrapped_block_or_a_norm_subclass():
             return 2 * super().forward(x)
 
     idx = torch.randint(0, 65, (2, 16), device=DEVICE)
-    wrapped = small_model(torch.float32).set_fused_layer_norm(True)
+    wrapped = convert(small_model(torch.float32), fused_ln=True)
     wrapped.transformer.h[1] = checkpoint_wrapper(wrapped.transformer.h[1])
-    subclassed = small_model(torch.float32).set_fused_layer_norm(True)
+    subclassed = convert(small_model(torch.float32), fused_ln=True)
     subclassed.transformer.h[0].ln_2.__class__ = ScaledNorm
     for model, name in ((wrapped, "CheckpointWrapper"), (subclassed, "ScaledNorm")):
-        with pytest.raises(RuntimeError, match=f"holds {name} in their place.*set_fused_layer_norm\\(False\\)"):
+        with pytest.raises(RuntimeError, match=f"holds {name} in their place.*mpgpt\\.fast\\.convert\\(model\\)"):
             model(idx, idx)
-        _, loss = model.set_fused_layer_norm(False)(idx, idx)
+        _, loss = convert(model)(idx, idx)
         assert torch.isfinite(loss)
 
 
@@ -534,7 +534,7 @@ def test_a_second_derivative_through_the_fused_layer_norm_is_refused(backward_pa
     x.requires_grad_(True)
     ln = torch.nn.LayerNorm(32, device=DEVICE, dtype=torch.bfloat16)
     y = layernorm.residual_layer_norm(x, None, ln)
-    with pytest.raises(RuntimeError, match="first derivatives only.*create_graph=True.*set_fused_layer_norm"):
+    with pytest.raises(RuntimeError, match="the fused LayerNorm computes first derivatives only.*create_graph=True.*fast.convert"):
         torch.autograd.grad((y.float() * dy.float()).sum(), x, create_graph=True)
     (g,) = torch.autograd.grad((y.float() * dy.float()).sum(), x)  # the first derivative still works
     assert torch.isfinite(g).all()

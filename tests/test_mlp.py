@@ -1,4 +1,4 @@
-"""Tests for mpgpt/kernels/mlp.py: the MLP with GELU fused into its first matmul.
+"""Tests for mpgpt/fast/mlp.py: the MLP with GELU fused into its first matmul.
 
 The reference is the unfused MLP, gelu(x W_fc^T + b_fc) W_proj^T + b_proj, in float64 on the same
 (already rounded) bf16 inputs and parameters, with its gradients from float64 autograd. What the
@@ -19,8 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mpgpt.kernels import env, gelu, mlp, ws
-from mpgpt.model import GPT, GPTConfig
+from mpgpt.kernels import env, gelu
+from mpgpt.kernels.hopper import ws
+from mpgpt.fast import mlp
+from mpgpt.fast import convert
+from mpgpt.model import GPT, MLP, GPTConfig
 from compile_check import assert_compiles_like_eager
 from test_model import assert_same_loss_and_gradients
 
@@ -113,9 +116,9 @@ def test_under_autocast_fp32_parameters_get_fp32_gradients(backward_path):
         assert rel_err(t.grad, ref) < TOL, f"{name}: {rel_err(t.grad, ref):.2e}"
 
 
-def test_the_weight_gradients_on_streamk(monkeypatch):
-    """weight_grad_kernel="streamk": the MLP's two weight gradients go through the package's matmul
-    on the stream-K kernel (both calls seen, with that kernel), straight into the fp32 parameters'
+def test_the_weight_gradients_on_a_package_kernel(monkeypatch):
+    """weight_grad_kernel="tma": the MLP's two weight gradients go through the package's matmul
+    on that kernel (both calls seen, with that kernel), straight into the fp32 parameters'
     dtype, and every gradient still matches float64 as the cuBLAS path's do. (On a GPU other than
     sm_90, or a product it cannot read, ops.matmul falls back to `auto`.)"""
     if env.TRITON_IMPORT_ERROR is not None:
@@ -129,10 +132,10 @@ def test_the_weight_gradients_on_streamk(monkeypatch):
     w_fc, b_fc, w_proj, b_proj = params(C, torch.float32)
     x = torch.randn(96, C, device=DEVICE, requires_grad=True)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
-        out = mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, weight_grad_kernel="streamk")
+        out = mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, weight_grad_kernel="tma")
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
-    assert asked == [("streamk", torch.float32)] * 2, asked  # d_w_proj, then d_w_fc
+    assert asked == [("tma", torch.float32)] * 2, asked  # d_w_proj, then d_w_fc
     lp = [t.detach().to(torch.bfloat16) for t in (x, w_fc, b_fc, w_proj, b_proj)]
     _, ref_grads = float64_reference(*lp, grad_out)
     for name, t, ref in zip(("x", "w_fc", "b_fc", "w_proj", "b_proj"), (x, w_fc, b_fc, w_proj, b_proj), ref_grads):
@@ -205,45 +208,45 @@ def small_model(dtype, **overrides):
     return GPT(cfg).to(DEVICE).to(dtype)
 
 
-def test_use_triton_mlp_keeps_the_parameters_and_the_gradients():
-    """layers="mlp": every nn.Linear stays (same Parameter objects, same state_dict keys), each
+def test_convert_mlp_keeps_the_parameters_and_the_gradients():
+    """triton="mlp": every nn.Linear stays (same Parameter objects, same state_dict keys), each
     MLP runs through gelu_mlp, and a bf16 model's loss and gradients match the unfused model's
     to bf16 accuracy (1e-2 on the loss, 3e-2 on each gradient, as test_model's layers="gelu"
-    test argues); enable=False restores the unfused MLP."""
+    test argues); converting back restores the unfused MLP."""
     torch.manual_seed(4)
     ref = small_model(torch.bfloat16)
     model = small_model(torch.bfloat16)
     model.load_state_dict(ref.state_dict())
     keys, ids = list(model.state_dict()), [id(p) for p in model.parameters()]
-    model.use_triton(layers="mlp")
+    convert(model, triton="mlp")
     assert all(block.mlp.fused is mlp.gelu_mlp for block in model.transformer.h)
     assert all(type(block.mlp.c_fc) is torch.nn.Linear for block in model.transformer.h)
-    # From the Triton layers too: layers="mlp" swaps every TritonLinear back to nn.Linear.
-    model.use_triton(layers="all").use_triton(layers="mlp")
+    # From the Triton layers too: triton="mlp" swaps every TritonLinear back to nn.Linear.
+    convert(convert(model, triton="all"), triton="mlp")
     for block in model.transformer.h:
         assert type(block.attn.c_attn) is torch.nn.Linear and type(block.mlp.c_fc) is torch.nn.Linear
         assert isinstance(block.mlp.act, torch.nn.GELU) and block.mlp.fused is mlp.gelu_mlp
     assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == ids
     assert_same_loss_and_gradients(ref, model, DEVICE)
-    model.use_triton(enable=False)
-    assert all(block.mlp.fused is None for block in model.transformer.h)
+    convert(model)
+    assert all(type(block.mlp) is MLP for block in model.transformer.h)
     # The weight gradients' kernel travels with the fused MLP, and only with it.
-    model.use_triton(layers="mlp+qkv", weight_grad_kernel="streamk")
-    assert all(block.mlp.fused.func is mlp.gelu_mlp and block.mlp.fused.keywords == {"weight_grad_kernel": "streamk"}
+    convert(model, triton="mlp+qkv", weight_grad_kernel="tma")
+    assert all(block.mlp.fused.func is mlp.gelu_mlp and block.mlp.fused.keywords == {"weight_grad_kernel": "tma"}
                for block in model.transformer.h)
     with pytest.raises(ValueError, match="applies to the fused MLP"):
-        model.use_triton(layers="all", weight_grad_kernel="streamk")
+        convert(model, triton="all", weight_grad_kernel="tma")
     with pytest.raises(ValueError, match="must be one of"):
-        model.use_triton(layers="mlp", weight_grad_kernel="fast")
+        convert(model, triton="mlp", weight_grad_kernel="fast")
     # ... and so does where GELU's backward runs (on the CPU the same ops either way: this checks
     # the wiring; the GPU tests below check the kernel).
-    model.use_triton(layers="mlp", gelu_backward="epilogue")
+    convert(model, triton="mlp", gelu_backward="epilogue")
     assert all(block.mlp.fused.keywords == {"gelu_backward": "epilogue"} for block in model.transformer.h)
     assert_same_loss_and_gradients(ref, model, DEVICE)
     with pytest.raises(ValueError, match="gelu_backward: applies to the fused MLP"):
-        model.use_triton(layers="gelu", gelu_backward="epilogue")
+        convert(model, triton="gelu", gelu_backward="epilogue")
     with pytest.raises(ValueError, match="gelu_backward must be one of"):
-        model.use_triton(layers="mlp", gelu_backward="fused")
+        convert(model, triton="mlp", gelu_backward="fused")
 
 
 def test_the_fused_mlp_compiles_into_one_graph():
@@ -269,9 +272,9 @@ def test_the_fused_mlp_compiles_into_one_graph():
         t.grad = None
     _, backward_code = assert_compiles_like_eager(step_epi, leaves, leaves)
     assert "mpgpt.product_gelu_backward" in backward_code and "mpgpt.gelu_backward_bias" not in backward_code
-    if env.TRITON_IMPORT_ERROR is None:  # the weight gradients on stream-K: two more operator nodes
+    if env.TRITON_IMPORT_ERROR is None:  # the weight gradients on a package kernel: two more operator nodes
         def step_sk(x, w_fc, b_fc, w_proj, b_proj):
-            return mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, weight_grad_kernel="streamk").float().square().sum()
+            return mlp.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, weight_grad_kernel="tma").float().square().sum()
         for t in leaves:
             t.grad = None  # the first check left eager's gradients in place
         _, backward_code = assert_compiles_like_eager(step_sk, leaves, leaves)
@@ -279,8 +282,8 @@ def test_the_fused_mlp_compiles_into_one_graph():
 
 
 def test_layers_must_be_named():
-    with pytest.raises(ValueError, match="'all', 'gelu' .*'mlp' .* or 'mlp\\+qkv'"):
-        small_model(torch.float32).use_triton(layers="attention")
+    with pytest.raises(ValueError, match="'all', 'gelu', 'mlp', 'mlp\\+qkv'"):
+        convert(small_model(torch.float32), triton="attention")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -288,7 +288,8 @@ def test_tiny_model_learns_the_embedded_corpus():
 # --------------------------------------------------------------------------------- chapter 6
 
 
-def test_use_triton_swaps_layers_and_keeps_parameters():
+def test_convert_to_triton_layers_swaps_layers_and_keeps_parameters():
+    from mpgpt.fast import convert
     kernels = pytest.importorskip("mpgpt.kernels", reason="mpgpt.kernels is not importable")
     if not hasattr(kernels, "TritonLinear"):
         pytest.skip("mpgpt.kernels has no TritonLinear yet")
@@ -303,7 +304,7 @@ def test_use_triton_swaps_layers_and_keeps_parameters():
     with torch.autocast(dev, dtype=torch.bfloat16):
         ref_bf16, _ = model(idx)
 
-    model.use_triton()
+    convert(model, triton="all")
     for block in model.transformer.h:
         for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
             assert isinstance(layer, TritonLinear)
@@ -322,7 +323,7 @@ def test_use_triton_swaps_layers_and_keeps_parameters():
     rel = (out_bf16.float() - ref_bf16.float()).norm() / ref_bf16.float().norm()
     assert rel < 1e-2, f"relative error {rel:.2e}"
 
-    model.use_triton(enable=False)
+    convert(model)  # back to the reference
     for block in model.transformer.h:
         assert type(block.attn.c_attn) is torch.nn.Linear and type(block.mlp.c_fc) is torch.nn.Linear
         assert isinstance(block.mlp.act, torch.nn.GELU)
@@ -347,13 +348,14 @@ def assert_same_loss_and_gradients(ref, model, device):
         assert rel < 3e-2, f"{name}: relative gradient error {rel:.2e}"
 
 
-def test_use_triton_gelu_swaps_only_the_mlp_input_and_keeps_the_gradients():
+def test_convert_triton_gelu_swaps_only_the_mlp_input_and_keeps_the_gradients():
     """layers="gelu": only mlp.c_fc becomes a TritonLinear (GELU in its epilogue). On a model held
     in bf16 (the optim16 runs), its loss and gradients match the nn.Linear + nn.GELU model's to
     bf16 accuracy: both round the same bf16 operands and accumulate in fp32, differing only in
     where intermediate results are rounded to bf16 (2^-8 relative each); 3e-2 relative on the
     loss-gradient norms catches a missing GELU, bias or gradient term (each an O(1) change)."""
     kernels = pytest.importorskip("mpgpt.kernels", reason="mpgpt.kernels is not importable")
+    from mpgpt.fast import convert
     ok, why = kernels.kernels_available()
     if not ok:
         pytest.skip(why)
@@ -362,13 +364,13 @@ def test_use_triton_gelu_swaps_only_the_mlp_input_and_keeps_the_gradients():
     ref = GPT(small_config()).to(dev).to(torch.bfloat16)
     model = GPT(small_config()).to(dev).to(torch.bfloat16)
     model.load_state_dict(ref.state_dict())
-    model.use_triton(layers="gelu")
+    convert(model, triton="gelu")
     for block in model.transformer.h:
         assert isinstance(block.mlp.c_fc, kernels.TritonLinear) and isinstance(block.mlp.act, torch.nn.Identity)
         assert type(block.attn.c_attn) is torch.nn.Linear and type(block.mlp.c_proj) is torch.nn.Linear
     assert_same_loss_and_gradients(ref, model, dev)
     with pytest.raises(ValueError, match="'all', 'gelu'"):
-        model.use_triton(layers="attention")
+        convert(model, triton="attention")
 
 
 def test_activation_checkpointing_gives_the_same_gradients():

@@ -12,7 +12,8 @@ gives: about 1 / R of the row's sum of magnitudes, 2.6e-3 at R = 384.
 import pytest
 import torch
 
-from mpgpt.kernels import env, heads, layernorm, partials
+from mpgpt.kernels import env, partials
+from mpgpt.fast import heads, layernorm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -81,7 +82,7 @@ def test_the_fused_layers_ask_for_their_parameters_dtype(bias_dtype, monkeypatch
     """In a bf16 model, LayerNorm's backward, GELU's and the head merge ask for their column sums in
     bf16, so no cast follows them; where a bias is kept in fp32 beside a bf16 weight, they ask for
     fp32. Either way every gradient arrives in its parameter's dtype."""
-    from mpgpt.kernels import mlp, qkv
+    from mpgpt.fast import mlp, qkv
     from test_mlp import small_model
 
     model = small_model(torch.bfloat16)
@@ -89,7 +90,9 @@ def test_the_fused_layers_ask_for_their_parameters_dtype(bias_dtype, monkeypatch
         for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1] in ("ln_1", "ln_2", "ln_f", "c_attn", "c_fc"):
                 module.bias = torch.nn.Parameter(module.bias.detach().to(bias_dtype))
-    model.set_fused_layer_norm(True).use_triton(layers="mlp+qkv")
+    from mpgpt.fast import convert
+
+    convert(model, fused_ln=True, triton="mlp+qkv")
     asked = {"layer norm": [], "gelu": [], "merge": []}
     for module, name, key in ((layernorm, "ln_backward_impl", "layer norm"), (mlp, "gelu_backward_impl", "gelu"),
                               (qkv, "merge_heads_impl", "merge")):

@@ -1,4 +1,4 @@
-"""Tests for mpgpt/kernels/heads.py and qkv.py: c_attn with its backward's head merge and bias
+"""Tests for mpgpt/fast/heads.py and qkv.py: c_attn with its backward's head merge and bias
 gradient in one pass.
 
 The merge itself is a copy, so d_qkv must equal torch's concatenation of the three gradients bit
@@ -22,7 +22,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mpgpt.kernels import env, heads, qkv
+from mpgpt.fast import convert
+from mpgpt.kernels import env
+from mpgpt.fast import heads, qkv
+from mpgpt.model import MLP, CausalSelfAttention
 from compile_check import assert_compiles_like_eager
 from path_check import assert_took, take_path
 from test_mlp import rel_err, small_model  # the same norm-relative error and tiny model
@@ -172,25 +175,25 @@ def test_qkv_heads_refuses_mismatched_shapes():
 
 
 
-def test_use_triton_mlp_qkv_keeps_the_parameters_and_the_gradients():
-    """layers="mlp+qkv": every nn.Linear stays, each attention layer runs c_attn through
+def test_convert_mlp_qkv_keeps_the_parameters_and_the_gradients():
+    """triton="mlp+qkv": every nn.Linear stays, each attention layer runs c_attn through
     qkv_heads and each MLP through gelu_mlp; a bf16 model's loss and gradients match the unfused
-    model's to bf16 accuracy (test_model's bounds); enable=False and layers="mlp" drop qkv_heads."""
+    model's to bf16 accuracy (test_model's bounds); triton="mlp" and the reference drop qkv_heads."""
     torch.manual_seed(4)
     ref = small_model(torch.bfloat16)
     model = small_model(torch.bfloat16)
     model.load_state_dict(ref.state_dict())
     keys, ids = list(model.state_dict()), [id(p) for p in model.parameters()]
-    model.use_triton(layers="mlp+qkv")
+    convert(model, triton="mlp+qkv")
     for block in model.transformer.h:
         assert block.attn.fused_qkv is qkv.qkv_heads and block.mlp.fused is not None
         assert type(block.attn.c_attn) is torch.nn.Linear
     assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == ids
     assert_same_loss_and_gradients(ref, model, DEVICE)
-    model.use_triton(layers="mlp")
+    convert(model, triton="mlp")
     assert all(block.attn.fused_qkv is None and block.mlp.fused is not None for block in model.transformer.h)
-    model.use_triton(layers="mlp+qkv").use_triton(enable=False)
-    assert all(block.attn.fused_qkv is None and block.mlp.fused is None for block in model.transformer.h)
+    convert(convert(model, triton="mlp+qkv"))
+    assert all(type(block.attn) is CausalSelfAttention and type(block.mlp) is MLP for block in model.transformer.h)
 
 
 def test_qkv_heads_compiles_into_one_graph():
@@ -242,7 +245,7 @@ def test_a_hook_on_a_fused_layer_runs_on_the_plain_path(where):
     plain = small_model(torch.bfloat16)
     model = small_model(torch.bfloat16)
     model.load_state_dict(plain.state_dict())
-    model.use_triton(True, layers="mlp+qkv")
+    convert(model, triton="mlp+qkv")
     block, calls = model.transformer.h[0], []
     hook = lambda *a: calls.append(1) and None  # noqa: E731
     target = {"c_attn": block.attn.c_attn, "mlp.c_fc": block.mlp.c_fc, "mlp.act": block.mlp.act,
@@ -264,10 +267,10 @@ def test_a_hook_on_a_fused_layer_runs_on_the_plain_path(where):
 def test_a_second_derivative_through_the_fused_layers_is_refused():
     """The fused attention input and the fused MLP save tensors without a graph: a second
     derivative through them is refused rather than silently wrong."""
-    model = small_model(torch.bfloat16).use_triton(True, layers="mlp+qkv")
+    model = convert(small_model(torch.bfloat16), triton="mlp+qkv")
     x = torch.randn(2, 16, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     for layer in (model.transformer.h[0].attn, model.transformer.h[0].mlp):
-        with pytest.raises(RuntimeError, match="first derivatives only.*create_graph=True.*use_triton\\(False\\)"):
+        with pytest.raises(RuntimeError, match="first derivatives only.*create_graph=True.*fast\\.convert\\(model\\)"):
             torch.autograd.grad(layer(x).float().square().sum(), x, create_graph=True)
         (g,) = torch.autograd.grad(layer(x).float().square().sum(), x)  # the first derivative still works
         assert torch.isfinite(g).all()

@@ -153,13 +153,14 @@ def test_gpu_optim16_recorded_step_trains_like_the_eager_step():
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("bf16 needs sm_80 or newer")
     from mpgpt.data import TextDataset, default_corpus
+    from mpgpt.fast import convert
     from mpgpt.model import GPT, GPTConfig
 
     def build(**kw):
         cfg = _cfg(device="cuda", optim16="fp32-master", compile=True, steps=12, warmup_steps=6, **kw)
         torch.manual_seed(0)
         model = GPT(GPTConfig.preset("tiny", vocab_size=128, **SMALL))
-        model.set_fused_loss(True)
+        convert(model, fused_loss=True)
         return Trainer(cfg, model=model, dataset=TextDataset(default_corpus()))
 
     eager, graphed, stale = build(), build(cuda_graph=True), build(cuda_graph=True)
@@ -177,16 +178,20 @@ def test_gpu_optim16_recorded_step_trains_like_the_eager_step():
 def test_the_bench_rows_change_one_thing():
     """Each optim16 row of the bench is the fastest row with biases (or without) with the optimizer
     swapped; the clip moves into the optimizer's kernel with it."""
-    from mpgpt.bench.training import TRAIN_CONFIGS, make_trainer
+    from mpgpt.bench.training import make_trainer
+    from mpgpt.recipe import parse
+
+    def settings(name):
+        return parse(name).settings()
 
     for bias in ("", "-nobias"):
-        base = dict(TRAIN_CONFIGS[f"bf16+compile{bias}+fused-ce+fused-clip+step-graph+no-mix-order"])
+        base = dict(settings(f"bf16+compile{bias}+fused-ce+fused-clip+step-graph+no-mix-order"))
         base.pop("fused_clip")
         for suffix, variant in (("optim16", "fp32-master"), ("optim16-mantissa", "bf16-mantissa")):
-            row = TRAIN_CONFIGS[f"bf16+compile{bias}+fused-ce+{suffix}+step-graph+no-mix-order"]
+            row = settings(f"bf16+compile{bias}+fused-ce+{suffix}+step-graph+no-mix-order")
             assert row == {**base, "optim16": variant}
-    o2 = TRAIN_CONFIGS["bf16-master+compile+fused-ce+fused-clip+step-graph+no-mix-order"]
-    assert o2 == {**TRAIN_CONFIGS["bf16+compile+fused-ce+fused-clip+step-graph+no-mix-order"], "precision": "bf16-master"}
+    o2 = settings("bf16-master+compile+fused-ce+fused-clip+step-graph+no-mix-order")
+    assert o2 == {**settings("bf16+compile+fused-ce+fused-clip+step-graph+no-mix-order"), "precision": "bf16-master"}
     # and the bench hands the variant to the trainer
     trainer = make_trainer("bf16+compile+fused-ce+optim16+step-graph+no-mix-order", preset="tiny", batch_size=2,
                            block_size=16, device="cpu", cuda_graph=False, compile=False)

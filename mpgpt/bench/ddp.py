@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mpgpt.bench.training import TRAIN_CONFIGS, SyntheticTokens
+from mpgpt.bench.training import SyntheticTokens
 from mpgpt.distributed import DistributedTrainer, dist_env, first_failure, launch
 from mpgpt.model import GPT, GPTConfig
+from mpgpt.recipe import parse
 from mpgpt.results import check_tag, write_result
 from mpgpt.trainer import Trainer, TrainConfig
 
@@ -35,9 +36,7 @@ def check_supported(config: str) -> None:
     a recorded step,
     Triton, GradScaler, CUDA graphs)
     it would silently drop."""
-    if config not in TRAIN_CONFIGS:
-        raise ValueError(f"unknown configuration {config!r}; choose from {', '.join(TRAIN_CONFIGS)}")
-    spec, plain = TRAIN_CONFIGS[config], TRAIN_CONFIGS["bf16"]
+    spec, plain = parse(config).settings(), parse("bf16").settings()
     dropped = [k for k in ("bias", "attention", "clip", "checkpointing", "chunked_loss", "triton", "fused_loss")
                if spec[k] != plain[k]]
     dropped += [k for k in ("fused_clip", "inductor", "cuda_graph") if spec.get(k)]
@@ -55,8 +54,8 @@ def worker(args) -> None:
     device = torch.device(f"cuda:{env.local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    spec = TRAIN_CONFIGS[args.config]
     check_supported(args.config)
+    spec = parse(args.config).settings()
     cfg = TrainConfig(preset=args.preset, precision=spec["precision"], scaler=spec["scaler"],
                       batch_size=args.batch_size, device=str(device), progress=False, sample_tokens=0,
                       steps=10**9, warmup_steps=10, lr=6e-4, fsdp=args.fsdp, compile=spec["compile"] is not None,
@@ -180,7 +179,7 @@ def main(argv=None) -> int:
     b = argparse.ArgumentParser(prog="python -m mpgpt.bench ddp",
                                 description="tokens/s on 1 and N GPUs, scaling efficiency, JSON result file")
     b.add_argument("--preset", default="gpt2")
-    b.add_argument("--config", default="bf16", help="a name from TRAIN_CONFIGS (default compile mode, no triton)")
+    b.add_argument("--config", default="bf16", help="a recipe (mpgpt.recipe) of precision and compile only, e.g. bf16+compile")
     b.add_argument("--batch-size", type=int, default=12, help="sequences per GPU")
     b.add_argument("--block-size", type=int, default=None)
     b.add_argument("--nproc", type=int, default=None, help="GPUs for the multi-GPU runs (default: all)")

@@ -33,9 +33,9 @@ between runs so we do not time the cache):
    dX = dY @ W on cuBLAS, `auto` and the warp-specialised kernel reading W row-major; dW =
    dY.t() @ X on cuBLAS (bf16 out, as nn.Linear under autocast computes it) against the
    package's kernels writing fp32 (as TritonLinear does for fp32 master weights): `auto`, the
-   TMA kernel unsplit, the warp-specialised kernel with K in slices (ws.launch_split), and
-   stream-K (streamk.py). Part 3 also times TritonLinear with dW on the TMA kernel, on stream-K,
-   and with dX on the ws kernel too (`grad_kernels` in each row).
+   TMA kernel unsplit and the warp-specialised kernel with K in slices (ws.launch_split). Part 3
+   also times TritonLinear with dW on the TMA kernel, and with dX on the ws kernel too
+   (`grad_kernels` in each row).
 8. The last sums of the one-pass kernels' partial-sum tables, at the tables GPT-2 small's step
    leaves (LayerNorm's, GELU's and the head merge's), with the result in bf16 as a bf16 model
    keeps its parameters: torch's sum followed by the casts, against `partials.sum_partials`, as
@@ -66,7 +66,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpgpt.kernels import env as kenv
-from mpgpt.kernels import embedding, gelu, grouped, heads, layernorm, linear, partials, streamk, tma, ws
+from mpgpt.kernels import gelu, grouped, linear, partials
+from mpgpt.kernels.hopper import tma, ws
+from mpgpt.fast import embedding, heads, layernorm
 from mpgpt.kernels.linear import TritonLinear, gelu_tanh_grad
 from mpgpt.kernels.matmul import matmul, plan
 from mpgpt.results import environment as base_environment
@@ -206,7 +208,7 @@ def bench_fused(kernels, M=12288, K=768, N=3072):
                      "best_config": _tuning(kern, x, w.t(), bias, "gelu")["best_config"]}
     names = list(kernels)
     if ws.gelu_eligible(x, w):
-        # The warp-specialised kernel's GELU epilogue (kernels/mlp.py's forward), which also stores
+        # The warp-specialised kernel's GELU epilogue (fast/mlp.py's forward), which also stores
         # the pre-activation z as the layer keeps it for its backward pass.
         out, _ = ws.gelu_forward(x, w, bias)
         ms = _median_ms(lambda: ws.gelu_forward(x, w, bias))
@@ -455,8 +457,8 @@ def bench_dgelu_epilogue(M=12288, C=768):
 # beside its default, (64, 4, 4) with the loads pipelined three iterations ahead. At GPT-2's 12288
 # rows (64, 4, 4) makes 192 programs, (32, 4, 4) 384. Without the pipeline, compiled ahead of time for
 # sm_90 with a launch's specialisations (Triton 3.6), 16, 32 or 64 rows a program take 168 registers a
-# thread (three 4-warp programs per multiprocessor) and 24, 40, 48 or 56 rows 190 (two): 46.1 against
-# 43.1 us for (48, 4, 4) and (32, 4, 4) (record kernels-layer-norm-h200); with it, 207 (two). The
+# thread (three 4-warp programs per multiprocessor) and 24, 40, 48 or 56 rows 190 (two); with it,
+# 207 (two). The
 # "two-pass" kernel holds (BLOCK_M, 256) tiles instead of whole rows: 72 registers a thread, so up to
 # seven programs share a multiprocessor.
 LAYER_NORM_CONFIGS = [(32, 4, 4), (64, 4, 4), (48, 4, 4, "whole-rows", 2), (64, 4, 4, "whole-rows", 2),
@@ -557,15 +559,14 @@ def bench_linear(M=12288):
         graph_ref = _graph_ms(step(ref_layer), params)
         graph_tri = _graph_ms(step(tri_layer), params)
         # The same layer with its gradient products on other kernels, where they can run (sm_90):
-        # dW on the TMA kernel unsplit, dW on stream-K, then dX on the warp-specialised kernel as
-        # well. `auto` elsewhere.
+        # dW on the TMA kernel unsplit, then dX on the warp-specialised kernel as well. `auto`
+        # elsewhere.
         # Each setting's gradients are first compared with the default path's, so a wrong kernel
         # cannot pass as a fast one.
         grad_kernels = {}
         if kenv.capability(x.device) == (9, 0):
             reference_grads = _grads(step(tri_layer), params)
-            for name, dx_kernel, dw_kernel in (("dw_tma", "auto", "tma"), ("dw_streamk", "auto", "streamk"),
-                                               ("dx_ws_dw_streamk", "ws", "streamk")):
+            for name, dx_kernel, dw_kernel in (("dw_tma", "auto", "tma"), ("dx_ws_dw_tma", "ws", "tma")):
                 linear.INPUT_GRAD_KERNEL, linear.WEIGHT_GRAD_KERNEL = dx_kernel, dw_kernel
                 try:
                     diffs = [((g - r).norm() / r.norm()).item()
@@ -599,8 +600,8 @@ def bench_gradients(tokens=12288):
                   and the warp-specialised kernel reading W row-major (`ws`), all into bf16;
     dW = dY.t() @ X  (out, tokens) @ (tokens, in): cuBLAS into bf16 (nn.Linear under autocast)
                   against the package's kernels into fp32 (TritonLinear with fp32 master weights):
-                  `auto`'s choice, the TMA kernel unsplit, the warp-specialised kernel with K
-                  in slices (`ws`), and stream-K."""
+                  `auto`'s choice, the TMA kernel unsplit, and the warp-specialised kernel with K
+                  in slices (`ws`)."""
     rows = []
     for label, fout, fin in GRAD_SHAPES:
         g = torch.randn(tokens, fout, device="cuda", dtype=torch.bfloat16)
@@ -608,7 +609,7 @@ def bench_gradients(tokens=12288):
         w = torch.randn(fout, fin, device="cuda", dtype=torch.bfloat16)
         flops = 2.0 * fout * fin * tokens
         for product, a, b, out_dtype, kerns in (("dX", g, w, torch.bfloat16, ("auto", "ws")),
-                                                ("dW", g.t(), x, torch.float32, ("auto", "tma", "ws", "streamk"))):
+                                                ("dW", g.t(), x, torch.float32, ("auto", "tma", "ws"))):
             ref = a.double() @ b.double()
             ms = _graph_ms(lambda: torch.mm(a, b))
             row = {"layer": label, "product": product, "out": fout, "in": fin, "tokens": tokens,
@@ -625,17 +626,6 @@ def bench_gradients(tokens=12288):
                 row[kern] = {"graph_ms": ms_k, "vs_cublas": ms / ms_k, "tflops": flops / ms_k * 1e-9,
                              "rel_err_vs_float64": err, "repeats_bit_for_bit": bool(torch.equal(out, again)),
                              "kernel": p.kernel, "split_k": p.split_k, "plan": p.reason}
-            if product == "dW":  # stream-K at its wider tile as well
-                kern = "streamk_128x256"
-                out = torch.full(ref.shape, float("nan"), device="cuda", dtype=out_dtype)
-                streamk.launch(a, b, out, tile="128x256")
-                err = ((out.double() - ref).norm() / ref.norm()).item()
-                ms_k = _graph_ms(lambda: streamk.launch(a, b, out, tile="128x256"))
-                row[kern] = {"graph_ms": ms_k, "vs_cublas": ms / ms_k, "tflops": flops / ms_k * 1e-9,
-                             "rel_err_vs_float64": err, "kernel": "streamk", "split_k": 1, "plan": "tile 128x256"}
-                kerns = kerns + (kern,)
-            if "streamk" in row:
-                row["streamk"]["programs"] = streamk.programs_for(a.device, fout, fin, tokens)
             rows.append(row)
             print(f"{product} {label:>12} ({tuple(a.shape)} @ {tuple(b.shape)}), graph replay: cuBLAS {ms*1e3:.1f} us | "
                   + " | ".join(f"{k} ({row[k]['kernel']}{'/' + str(row[k]['split_k']) if row[k]['split_k'] > 1 else ''}) "
@@ -673,7 +663,6 @@ def main(argv=None) -> int:
         kernels = [k for k in kernels if k != "tma"]
     if cc != (9, 0):
         kernels = [k for k in kernels if k != "ws"]
-    kernels = [k for k in kernels if k != "streamk"]  # no epilogue: timed on the gradient products (part grads)
     skip = set(filter(None, args.skip.split(",")))
 
     env = environment(argv)
@@ -690,7 +679,7 @@ def main(argv=None) -> int:
              ("layer_norm_backward", bench_layer_norm_backward),
              ("partials", bench_partials),
              ("embedding", bench_embedding_grad)]
-    if cc == (9, 0):  # the stream-K kernel, and the ws kernel it is compared with, are Hopper's
+    if cc == (9, 0):  # the TMA and ws kernels the gradient products are compared on are Hopper's
         parts.append(("grads", bench_gradients))
         if ws.WS_IMPORT_ERROR is None:
             parts.append(("dgelu_epilogue", bench_dgelu_epilogue))

@@ -4,13 +4,12 @@ Throughput is measured on synthetic tokens (random ids, never zeros) with the re
 (``mpgpt.trainer.Trainer.train_step``): the median step time over ``--steps`` timed steps after
 ``--warmup`` steps. MFU = flops_per_token × tokens/s ÷ peak, with flops_per_token from
 ``GPT.flops_per_token`` (6N + 12·L·H·Q·T, PaLM appendix B) and peak the GPU's dense bf16 rate
-(mpgpt.model.PEAK_BF16). Each configuration in TRAIN_CONFIGS is a TrainConfig plus model options;
-nothing is patched into the trainer after it is built.
+(mpgpt.model.PEAK_BF16). Each row is a recipe (mpgpt.recipe): a TrainConfig, a reference model and
+the converter's options (mpgpt.fast.convert); nothing is patched into the trainer after it is built.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import shlex
@@ -18,6 +17,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ import torch._dynamo
 from mpgpt.bench.timeline import timeline_summary
 from mpgpt.data import TextDataset, default_corpus
 from mpgpt.model import GPT, PEAK_BF16, GPTConfig, mfu, peak_flops
+from mpgpt.recipe import ALIASES, parse
 from mpgpt.results import check_tag, write_result
 from mpgpt.trainer import Trainer, TrainConfig
 
@@ -38,199 +39,28 @@ REFERENCE_PEAK = PEAK_BF16["H200"]
 # ------------------------------------------------------------------------------------------------
 # Training throughput
 # ------------------------------------------------------------------------------------------------
-# name -> how the step runs. compile: None (eager) or a torch.compile mode ("default",
-# "reduce-overhead" = CUDA graphs); bias=False matches nanoGPT's bench.py model.
-# fused_clip: the clipping factor applied inside the fused AdamW kernel (TrainConfig.fused_clip);
-# inductor: torch._inductor.config settings in force while the configuration compiles and runs;
-# cuda_graph: the whole step recorded once and replayed (TrainConfig.cuda_graph, mpgpt.graph_step).
-# optim16: the model kept in bf16 and trained by the fused 16-bit AdamW (TrainConfig.optim16).
-# fused_ln: each residual add with its LayerNorm, the backward in one Triton pass (GPT.set_fused_layer_norm).
-# fused_emb: the token embedding's gradient added into the output layer's in place (GPT.set_fused_embedding).
-# mlp_dw: the fused MLP's two weight gradients on that matmul kernel instead of cuBLAS (GPT.use_triton's
-# weight_grad_kernel). gelu_epilogue: the fused MLP's GELU backward in the epilogue of dOut W_proj
-# (GPT.use_triton's gelu_backward="epilogue"). bias_in_add: c_proj's biases added in the fused residual add,
-# their gradients summed by LayerNorm's backward (GPT.set_fused_layer_norm's bias_in_add).
-def _config(precision, scaler="none", compile=None, triton=False, bias=True, checkpointing=False, chunked_loss=0,
-            attention="sdpa", clip=True, fused_loss=False, fused_clip=False, inductor=None, cuda_graph=False,
-            optim16=None, fused_ln=False, mlp_dw=None, fused_emb=False, gelu_epilogue=False, bias_in_add=False):
-    spec = dict(precision=precision, scaler=scaler, compile=compile, triton=triton, bias=bias,
-                checkpointing=checkpointing, chunked_loss=chunked_loss, attention=attention, clip=clip,
-                fused_loss=fused_loss)
-    if fused_clip:
-        spec["fused_clip"] = True
-    if inductor:
-        spec["inductor"] = dict(inductor)
-    if cuda_graph:
-        spec["cuda_graph"] = True
-    if optim16:
-        spec["optim16"] = optim16
-    if fused_ln:
-        spec["fused_ln"] = True
-    if mlp_dw:
-        spec["mlp_dw"] = mlp_dw
-    if fused_emb:
-        spec["fused_emb"] = True
-    if gelu_epilogue:
-        spec["gelu_epilogue"] = True
-    if bias_in_add:
-        spec["bias_in_add"] = True
-    return spec
+# Each row is a recipe (mpgpt.recipe): its name says how the step runs, token by token, and
+# `python -m mpgpt.recipe NAME` explains it. make_trainer builds the row from it and nothing else.
 
 
-# Inductor tries neighbouring block sizes for each generated kernel and keeps the fastest
-# (coordinate descent): longer compiles, sometimes faster reductions and pointwise kernels.
-CD_TUNING = {"coordinate_descent_tuning": True}
+class _RecipeSettings(Mapping):
+    """name -> mpgpt.recipe.parse(name).settings(), read-only, for code written against the table of
+    rows this module once held; any recipe name is a key. Use mpgpt.recipe.parse instead."""
 
-# LayerNorm's backward under Inductor (torch 2.11 in the records) is one "mix-order" kernel:
-# each program reduces its rows for dx and writes partial sums of dgamma and dbeta, one row of
-# partials per `split` rows, which a second reduction (ATen's sum over dim 0) adds up. Inductor's heuristic
-# picks split = 16 for 12,288 rows on 132 SMs: two (768, 768) fp32 partial tables per LayerNorm,
-# 50 sums per step. A larger split makes fewer partial rows; turning the mix-order kernel off
-# goes back to separate reductions.
-def ln_split(rows):
-    return {"triton.mix_order_reduction_split_size": rows}
+    def __getitem__(self, name):
+        try:
+            return parse(name).settings()
+        except ValueError:
+            raise KeyError(name) from None
+
+    def __iter__(self):
+        return iter(dict.fromkeys(LADDER + FASTEST))
+
+    def __len__(self):
+        return len(dict.fromkeys(LADDER + FASTEST))
 
 
-NO_MIX_ORDER = {"triton.mix_order_reduction": False}
-
-
-TRAIN_CONFIGS = {
-    "fp32": _config("fp32"),
-    "tf32": _config("tf32"),
-    "fp16": _config("fp16", "dynamic"),
-    "fp16-gradscaler": _config("fp16", "gradscaler"),
-    "bf16": _config("bf16"),
-    "bf16-nobias": _config("bf16", bias=False),
-    # nanoGPT's bench.py step exactly: no biases and no gradient clipping.
-    "bf16-nobias-noclip": _config("bf16", bias=False, clip=False),
-    "bf16+checkpointing": _config("bf16", checkpointing=True),
-    "fp16+compile": _config("fp16", "dynamic", compile="default"),
-    "fp16-gradscaler+compile": _config("fp16", "gradscaler", compile="default"),
-    "bf16+compile": _config("bf16", compile="default"),
-    "bf16+compile-nobias": _config("bf16", compile="default", bias=False),
-    "bf16+compile+cudagraphs": _config("bf16", compile="reduce-overhead"),
-    "bf16+compile+chunked-loss": _config("bf16", compile="default", chunked_loss=2048),
-    "bf16+compile+triton": _config("bf16", compile="default", triton=True),
-    "bf16+triton": _config("bf16", triton=True),
-    "bf16+cudnn-attn": _config("bf16", attention="cudnn"),
-    "bf16+compile+cudnn-attn": _config("bf16", compile="default", attention="cudnn"),
-    # Everything above that can combine, on nanoGPT's bias-free model.
-    "bf16+compile+all-nobias": _config("bf16", compile="reduce-overhead", bias=False, chunked_loss=2048,
-                                       attention="cudnn"),
-    # The output layer's loss and logit gradients in one Triton pass over bf16 logits (llm.c's classifier).
-    "bf16+compile+fused-ce": _config("bf16", compile="default", fused_loss=True),
-    "bf16+compile-nobias+fused-ce": _config("bf16", compile="default", bias=False, fused_loss=True),
-    # ... and the gradient clipping inside the fused AdamW kernel, then inductor's kernel tuning on top.
-    "bf16+compile+fused-ce+fused-clip": _config("bf16", compile="default", fused_loss=True, fused_clip=True),
-    "bf16+compile+fused-ce+fused-clip+cd-tuning": _config("bf16", compile="default", fused_loss=True, fused_clip=True,
-                                                          inductor=CD_TUNING),
-    # Inductor autotunes every matmul against its own Triton templates, which can fuse the epilogue.
-    "bf16+compile-max-autotune+fused-ce+fused-clip": _config("bf16", compile="max-autotune-no-cudagraphs",
-                                                             fused_loss=True, fused_clip=True),
-    "bf16+compile-nobias+fused-ce+fused-clip": _config("bf16", compile="default", bias=False, fused_loss=True,
-                                                       fused_clip=True),
-    # The whole step (forward, backward, clip, AdamW) as one CUDA graph: no launch waits on the host.
-    "bf16+compile+fused-ce+fused-clip+step-graph": _config("bf16", compile="default", fused_loss=True,
-                                                           fused_clip=True, cuda_graph=True),
-    "bf16+compile+step-graph": _config("bf16", compile="default", cuda_graph=True),
-    "fp16+compile+step-graph": _config("fp16", "dynamic", compile="default", cuda_graph=True),
-    # The course's Triton layers with the step recorded, so that their launches cost the host nothing.
-    "bf16+compile+triton+step-graph": _config("bf16", compile="default", triton=True, cuda_graph=True),
-    # LayerNorm's partial-sum split (ln_split above), on the fastest row with biases.
-    **{f"bf16+compile+fused-ce+fused-clip+step-graph+ln-split{n}": _config(
-        "bf16", compile="default", fused_loss=True, fused_clip=True, cuda_graph=True, inductor=ln_split(n))
-       for n in (32, 64, 128)},
-    "bf16+compile+fused-ce+fused-clip+step-graph+no-mix-order": _config(
-        "bf16", compile="default", fused_loss=True, fused_clip=True, cuda_graph=True, inductor=NO_MIX_ORDER),
-    "bf16+compile-nobias+fused-ce+fused-clip+step-graph": _config("bf16", compile="default", bias=False,
-                                                                  fused_loss=True, fused_clip=True, cuda_graph=True),
-    "bf16+compile-nobias+fused-ce+fused-clip+step-graph+no-mix-order": _config(
-        "bf16", compile="default", bias=False, fused_loss=True, fused_clip=True, cuda_graph=True,
-        inductor=NO_MIX_ORDER),
-    # llm.c's recipe on the row above: the model itself in bf16 (no casts of the weights, a bf16
-    # residual stream), fp32 masters and moments. First with the O2 policy's separate copies and
-    # torch's AdamW, then with one fused pass per parameter (clipping inside it), then with the
-    # master held as the bf16 weight's 16 missing bits (the same numbers, 4 bytes less to move).
-    "bf16-master+compile+fused-ce+fused-clip+step-graph+no-mix-order": _config(
-        "bf16-master", compile="default", fused_loss=True, fused_clip=True, cuda_graph=True, inductor=NO_MIX_ORDER),
-    "bf16+compile+fused-ce+optim16+step-graph+no-mix-order": _config(
-        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="fp32-master"),
-    "bf16+compile+fused-ce+optim16-mantissa+step-graph+no-mix-order": _config(
-        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="bf16-mantissa"),
-    # mlp.c_fc as a TritonLinear, its GELU in the matmul's epilogue (the other matmuls stay cuBLAS).
-    "bf16+compile+fused-ce+optim16+triton-gelu+step-graph+no-mix-order": _config(
-        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="fp32-master",
-        triton="gelu"),
-    # Each MLP with GELU fused into c_fc's product on the warp-specialised kernel (kernels/mlp.py).
-    "bf16+compile+fused-ce+optim16+triton-mlp+step-graph+no-mix-order": _config(
-        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="fp32-master",
-        triton="mlp"),
-    "bf16+compile+fused-ce+optim16-mantissa+triton-mlp+step-graph+no-mix-order": _config(
-        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="bf16-mantissa",
-        triton="mlp"),
-    # ... and each attention layer's c_attn with its backward's head merge and bias gradient in one pass (qkv.py).
-    "bf16+compile+fused-ce+optim16+triton-mlp-qkv+step-graph+no-mix-order": _config(
-        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="fp32-master",
-        triton="mlp+qkv"),
-    "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+step-graph+no-mix-order": _config(
-        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="bf16-mantissa",
-        triton="mlp+qkv"),
-    # ... and LayerNorm's backward in one pass with its weight and bias gradients (kernels/layernorm.py).
-    "bf16+compile+fused-ce+optim16-mantissa+triton-mlp+fused-ln+step-graph+no-mix-order": _config(
-        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="bf16-mantissa",
-        triton="mlp", fused_ln=True),
-    "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+step-graph+no-mix-order": _config(
-        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="bf16-mantissa",
-        triton="mlp+qkv", fused_ln=True),
-    # The same Triton passes on the fp32 model under autocast (torch's fused AdamW, the clip inside
-    # it): bf16, and fp16 with the package's DynamicLossScaler, whose step the 16-bit AdamW cannot take.
-    **{f"{p}+compile+fused-ce+fused-clip+triton-mlp-qkv+fused-ln+step-graph+no-mix-order": _config(
-        p, "dynamic" if p == "fp16" else "none", compile="default", fused_loss=True, fused_clip=True, cuda_graph=True,
-        inductor=NO_MIX_ORDER, triton="mlp+qkv", fused_ln=True) for p in ("bf16", "fp16")},
-    "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+fused-ln+step-graph+no-mix-order": _config(
-        "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
-        optim16="bf16-mantissa", triton="mlp", fused_ln=True),
-    # ... and the tied embedding's gradient added into the output layer's where it lies (kernels/embedding.py).
-    "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+fused-emb+step-graph+no-mix-order": _config(
-        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="bf16-mantissa",
-        triton="mlp+qkv", fused_ln=True, fused_emb=True),
-    "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+fused-ln+fused-emb+step-graph+no-mix-order": _config(
-        "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
-        optim16="bf16-mantissa", triton="mlp", fused_ln=True, fused_emb=True),
-    # ... and GELU's backward in the epilogue of the MLP's dOut W_proj (kernels/ws.py, EPILOGUE 2).
-    "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+fused-emb+gelu-epilogue+step-graph+no-mix-order":
-        _config("bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
-                optim16="bf16-mantissa", triton="mlp+qkv", fused_ln=True, fused_emb=True, gelu_epilogue=True),
-    "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+fused-ln+fused-emb+gelu-epilogue+step-graph+no-mix-order":
-        _config("bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
-                optim16="bf16-mantissa", triton="mlp", fused_ln=True, fused_emb=True, gelu_epilogue=True),
-    # ... and c_proj's biases added in the residual add, their gradients summed in LayerNorm's backward.
-    "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+bias-in-add+fused-emb+gelu-epilogue+step-graph"
-    "+no-mix-order":
-        _config("bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
-                optim16="bf16-mantissa", triton="mlp+qkv", fused_ln=True, fused_emb=True, gelu_epilogue=True,
-                bias_in_add=True),
-    # ... with the MLP's two weight gradients (1.09 waves of 128 x 128 tiles on 132 SMs) on the
-    # stream-K kernel (kernels/streamk.py) instead of cuBLAS, with and without GPT-2's biases.
-    "bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+streamk-dw+step-graph+no-mix-order": _config(
-        "bf16", compile="default", fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER, optim16="bf16-mantissa",
-        triton="mlp+qkv", fused_ln=True, mlp_dw="streamk"),
-    "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+fused-ln+streamk-dw+step-graph+no-mix-order": _config(
-        "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
-        optim16="bf16-mantissa", triton="mlp", fused_ln=True, mlp_dw="streamk"),
-    "bf16+compile-nobias+fused-ce+optim16+triton-mlp+step-graph+no-mix-order": _config(
-        "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
-        optim16="fp32-master", triton="mlp"),
-    "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+step-graph+no-mix-order": _config(
-        "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
-        optim16="bf16-mantissa", triton="mlp"),
-    "bf16+compile-nobias+fused-ce+optim16+step-graph+no-mix-order": _config(
-        "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
-        optim16="fp32-master"),
-    "bf16+compile-nobias+fused-ce+optim16-mantissa+step-graph+no-mix-order": _config(
-        "bf16", compile="default", bias=False, fused_loss=True, cuda_graph=True, inductor=NO_MIX_ORDER,
-        optim16="bf16-mantissa"),
-}
+TRAIN_CONFIGS = _RecipeSettings()
 
 
 # The compiled ladder as chapter 7 tells it, one change per rung, each row adding one thing to the
@@ -255,24 +85,8 @@ LADDER = [
 ]
 # The fastest steps, as measured beside llm.c and nanoGPT: with GPT-2's biases and without (nanoGPT's
 # model), the compiled baseline, and the first row once more, so the two times of one configuration
-# show how far the run drifted. They are the ladder's last rung and its bias-free twin with two more
-# options: the tied embedding's gradient added in place ("+fused-emb": 1.0004x and 1.0043x alone,
-# records train-peers-emb-h200 and train-peers-emb-2-h200, within the spread between runs, so the
-# ladder keeps its last rung) and GELU's backward in the epilogue of dOut W_proj
-# ("+gelu-epilogue": 1.017x and 1.014x the same step without it in two runs on an H100, records
-# train-peers-dgelu-h100 and train-peers-dgelu-2-h100); with biases, also c_proj's biases added in
-# the fused residual add ("+bias-in-add": 1.008x the same step without it on an H100, with
-# LayerNorm's backward at its pipelined tiles, record train-peers-ln-pipelined-h100; 0.997x at the
-# tiles before, record train-peers-bias-in-add-h100). Left out: the "+streamk-dw" rows (alone,
-# the stream-K kernel was slower than cuBLAS on the MLP's weight gradients, record kernels-grads-h200).
-_FASTEST_BIAS = ("bf16+compile+fused-ce+optim16-mantissa+triton-mlp-qkv+fused-ln+bias-in-add+fused-emb+gelu-epilogue"
-                 "+step-graph+no-mix-order")
-FASTEST = [
-    _FASTEST_BIAS,
-    "bf16+compile-nobias+fused-ce+optim16-mantissa+triton-mlp+fused-ln+fused-emb+gelu-epilogue+step-graph+no-mix-order",
-    "bf16+compile",
-    _FASTEST_BIAS,
-]
+# show how far the run drifted. mpgpt.recipe's table gives each token's measured effect.
+FASTEST = [ALIASES["fastest"], ALIASES["fastest-nobias"], "bf16+compile", ALIASES["fastest"]]
 NAMED_LISTS = {"ladder": LADDER, "fastest": FASTEST}
 
 # What each row after the climb is read against: not the row before it, but its twin.
@@ -288,7 +102,7 @@ LADDER_TWINS = {
 
 def _changes(old: str, new: str) -> str:
     """The settings in which configuration ``new`` differs from ``old``, as `key=value` words."""
-    a, b = TRAIN_CONFIGS[old], TRAIN_CONFIGS[new]
+    a, b = parse(old).settings(), parse(new).settings()
     return ", ".join(f"{k}={b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
 
 
@@ -333,7 +147,7 @@ def print_ladder(rows: list[dict], order=LADDER) -> None:
 
 
 def expand_configs(text: str) -> list[str]:
-    """The --configs value as configuration names: comma-separated, each a TRAIN_CONFIGS name or a
+    """The --configs value as configuration names: comma-separated, each a recipe (mpgpt.recipe) or a
     NAMED_LISTS name ("ladder", "fastest") that stands for its list."""
     names = []
     for n in (n.strip() for n in text.split(",")):
@@ -363,47 +177,24 @@ class SyntheticTokens:
 
 def make_trainer(name, preset="gpt2", batch_size=12, block_size=None, device=None, checkpointing=False,
                  dataset=None, **config):
-    """The trainer for TRAIN_CONFIGS[name] on synthetic tokens (or ``dataset``); ``config`` overrides
-    TrainConfig fields (e.g. fsdp=True)."""
-    spec = TRAIN_CONFIGS[name]
+    """The trainer for recipe ``name`` (mpgpt.recipe) on synthetic tokens (or ``dataset``); ``config``
+    overrides TrainConfig fields (e.g. fsdp=True)."""
+    recipe = parse(name)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    fields = dict(preset=preset, precision=spec["precision"], scaler=spec["scaler"],
-                  batch_size=batch_size, block_size=block_size, device=str(device),
-                  compile=spec["compile"] is not None, compile_mode=spec["compile"] or "default",
+    fields = recipe.train_config()
+    del fields["model_overrides"]  # the model is built here, with the preset's vocabulary
+    fields = dict(fields, preset=preset, batch_size=batch_size, block_size=block_size, device=str(device),
                   progress=False, sample_tokens=0, steps=10**9, warmup_steps=10, lr=6e-4,
-                  grad_clip=1.0 if spec["clip"] else 0.0, fused_clip=spec.get("fused_clip", False),
-                  cuda_graph=spec.get("cuda_graph", False), optim16=spec.get("optim16"))
+                  grad_clip=1.0 if recipe.clip else 0.0)
     cfg = TrainConfig(**{**fields, **config})
     overrides = {"block_size": block_size} if block_size else {}
-    model = GPT(GPTConfig.preset(preset, bias=spec["bias"], attention=spec["attention"], **overrides))
-    if spec["triton"]:
-        model.use_triton(True, layers=spec["triton"] if isinstance(spec["triton"], str) else "all",
-                         weight_grad_kernel=spec.get("mlp_dw", "cublas"),
-                         gelu_backward="epilogue" if spec.get("gelu_epilogue") else "pass")
-    if checkpointing or spec["checkpointing"]:
+    model = GPT(GPTConfig.preset(preset, bias=recipe.bias, attention=recipe.attention, **overrides))
+    recipe.apply(model)
+    if checkpointing:
         model.set_activation_checkpointing(True)
-    if spec["chunked_loss"]:
-        model.set_chunked_loss(spec["chunked_loss"])
-    if spec["fused_loss"]:
-        model.set_fused_loss(True)
-    if spec.get("fused_ln"):
-        model.set_fused_layer_norm(True, bias_in_add=spec.get("bias_in_add", False))
-    if spec.get("fused_emb"):
-        model.set_fused_embedding(True)
     data = dataset if dataset is not None else SyntheticTokens(model.config.vocab_size, batch_size,
                                                                model.config.block_size, device)
     return Trainer(cfg, model=model, dataset=data)
-
-
-def inductor_settings(settings):
-    """A context in which torch._inductor.config holds ``settings`` (a dict; None: no change). The
-    compile happens in the first steps, so the timed steps run the kernels chosen under them.
-    Inductor's on-disk graph cache is off meanwhile, so the row's graphs are compiled under its
-    settings whatever the cache holds."""
-    if not settings:
-        return contextlib.nullcontext()
-    import torch._inductor.config as inductor_config
-    return inductor_config.patch({**settings, "fx_graph_cache": False})
 
 
 class NonFiniteStep(RuntimeError):
@@ -560,8 +351,7 @@ def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10,
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     for name in names:
-        if name not in TRAIN_CONFIGS:
-            raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(TRAIN_CONFIGS)}")
+        recipe = parse(name)
         gc.collect()  # whatever an earlier row left (one that failed, too) is freed before this row
         # Dynamo reuses code compiled for an earlier row's model of the same structure (the
         # parameters are inputs, not guards) and never looks at Inductor's settings: without a
@@ -572,7 +362,7 @@ def bench_train(names, preset="gpt2", batch_size=12, block_size=None, warmup=10,
             torch.cuda.reset_peak_memory_stats()
         row = {"config": name, "preset": preset, "batch_size": batch_size, "activation_checkpointing": checkpointing}
         try:
-            with inductor_settings(TRAIN_CONFIGS[name].get("inductor")):
+            with recipe.inductor_settings():
                 trainer = make_trainer(name, preset, batch_size, block_size, device, checkpointing)
                 t0 = time.perf_counter()
                 times = _time_steps(trainer, warmup, steps)
@@ -675,9 +465,9 @@ def build_parser(prog="python -m mpgpt.bench train") -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=int, default=12)
     t.add_argument("--block-size", type=int, default=None)
     t.add_argument("--configs", default="fp32,tf32,fp16,bf16,fp16+compile,bf16+compile,bf16+compile+triton",
-                   help="comma-separated names from: " + ", ".join(TRAIN_CONFIGS)
-                        + "; or 'ladder': chapter 7's compiled ladder, rung by rung (LADDER); or 'fastest': the "
-                          "fastest steps with and without biases and bf16+compile (FASTEST)")
+                   help="comma-separated recipes (python -m mpgpt.recipe --list shows the tokens); or 'ladder': "
+                        "chapter 7's compiled ladder, rung by rung (LADDER); or 'fastest': the fastest steps with "
+                        "and without biases and bf16+compile (FASTEST)")
     t.add_argument("--warmup", type=int, default=10)
     t.add_argument("--steps", type=int, default=30)
     t.add_argument("--activation-checkpointing", action="store_true")
@@ -700,11 +490,12 @@ def main(argv=None) -> int:
     names = expand_configs(args.configs)
     profiled = [n.strip() for n in (args.profile or "").split(",") if n.strip()]
     extra = [args.max_batch_config, args.real_run_config, *profiled]
-    unknown = [n for n in names + [e for e in extra if e] if n not in TRAIN_CONFIGS]
-    if unknown:
-        print(f"python -m mpgpt.bench train: error: unknown configuration {unknown[0]!r}; "
-              f"choose from {', '.join(TRAIN_CONFIGS)}", file=sys.stderr)
-        return 2
+    for n in names + [e for e in extra if e]:
+        try:
+            parse(n)
+        except ValueError as e:
+            print(f"python -m mpgpt.bench train: error: {e}", file=sys.stderr)
+            return 2
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)  # a folder that cannot be made fails now, not after the run
     rows = bench_train(names, args.preset, args.batch_size, args.block_size, args.warmup, args.steps,
                        args.activation_checkpointing, profiled)

@@ -1,5 +1,7 @@
-"""Triton kernels for chapter 6: a bf16 matmul with fp32 accumulation and a fused epilogue,
-and TritonLinear, an nn.Linear replacement whose forward and backward GEMMs run through it.
+"""The teaching kernels (chapters 6, 9, 10): a bf16 matmul with fp32 accumulation and a fused
+epilogue, TritonLinear (an nn.Linear replacement whose forward and backward GEMMs run through it),
+the fp8 GEMM and cast, and the 16-bit AdamW. The Hopper matrix kernels that `plan` may choose are in
+`hopper/`; the GPT-2 fast path's fused kernels are in `mpgpt.fast`.
 
     from mpgpt.kernels import matmul, plan, TritonLinear, kernels_available
     ok, why = kernels_available()
@@ -10,24 +12,16 @@ The package, one file per idea:
     env.py       where the kernels can run (interpreter, Triton missing, GPU generation)
     epilogue.py  jitted helpers the kernels share: tile order, bias + activation, stores
     grouped.py   the teaching kernel: grouped tile order, split-K, the interpreter path
-    tma.py       Hopper's persistent TMA kernel
-    ws.py        Hopper's warp-specialised Gluon kernel (128 x 192 tiles)
-    streamk.py   Hopper's stream-K kernel: few output tiles with a long K, shared out evenly (weight gradients)
+    hopper/      Hopper's persistent TMA kernel (tma.py), its warp-specialised Gluon kernels (ws.py,
+                 fp8_ws.py: chapter 9's promoted fp8 GEMM)
     launch.py    repeating a launch without Triton's Python launch path
     matmul.py    the public matmul, and plan(): which kernel runs, and why
     gelu.py      GELU's backward in one pass
     fp8_matmul.py  chapter 9's fp8 GEMM: scales in the epilogue, fp8 output with its amax
-    fp8_ws.py    chapter 9's promoted fp8 GEMM for Hopper, warp-specialised (Gluon)
     fp8_cast.py  chapter 9's fp8 cast: amax, scale and saturating cast in two launches (Fp8Linear's casts)
     linear.py    TritonLinear; ops.py: its kernels as torch.compile-traceable custom operators
     library.py   how those operators are registered: the way that costs the host least per call
-    mlp.py       the transformer's MLP with GELU fused into its first product (the ws kernel's epilogue)
-    heads.py     the attention's dq, dk, dv merged into c_attn's gradient, its bias gradient in the same pass
-    qkv.py       c_attn and the head split, with heads.py's pass in the backward
-    layernorm.py the residual add with its LayerNorm, the backward (with the weight and bias gradients) in one pass
-    partials.py  the last sum of those one-pass kernels' partial-sum tables, rounded into the parameters' dtype
-    cross_entropy.py  chapter 7's fused output layer loss: loss and logit gradients in one pass
-    embedding.py the tied embedding's gradient added into the output layer's, only the rows of tokens that occur
+    partials.py  the last sum of the one-pass kernels' partial-sum tables, rounded into the parameters' dtype
     adamw16.py   chapter 10's AdamW with 16-bit weights and state, one fused pass
     (the benchmark against cuBLAS is mpgpt/bench/kernels.py: python -m mpgpt.bench kernels)
 

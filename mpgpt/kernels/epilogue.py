@@ -24,9 +24,8 @@ def sigmoid_f32(v):
     e = exp(-|v|) <= 1 never overflows (exp(-v) would, for v < -88). Then sigmoid(v) = r for
     v >= 0 and e * r for v < 0, with r = 1 / (1 + e). `tl.fdiv(..., ieee_rounding=False)` is
     the GPU's fast division (PTX div.full.f32: at most 2 ulp off, per the PTX ISA manual), a
-    few instructions instead of the correctly rounded `/` (div.rn.f32) with its slow path. The
-    earlier version used two `/` per element in the matmul's GELU epilogue
-    (benchmarks/NOTES-kernels.md has what that cost)."""
+    few instructions instead of the correctly rounded `/` (div.rn.f32) with its slow path, which
+    two divisions per element made visible in the matmul's GELU epilogue."""
     e = tl.exp(-tl.abs(v))
     r = tl.fdiv(tl.full(v.shape, 1.0, tl.float32), 1.0 + e, ieee_rounding=False)
     return tl.where(v >= 0, r, e * r)

@@ -12,9 +12,7 @@ need. This kernel reads dY and Z once and writes dZ once: the memory floor of th
     gelu'(z) = s + z * s (1 - s) * 2 sqrt(2/pi) (1 + 3 * 0.044715 z^2)
 
 A bias b before the GELU (GPT-2's c_fc) also needs db = dZ summed over the rows. Written as
-`dz.sum(0)` that is a second pass, reading the whole dZ again: in the GPT-2 step on an H200,
-0.27 ms a step beside 0.75 ms for the GELU backward itself (benchmarks/NOTES-train.md).
-`gelu_backward_bias` sums each program's tile columns while the tile is still in registers, so
+`dz.sum(0)` that is a second pass, reading the whole dZ again. `gelu_backward_bias` sums each program's tile columns while the tile is still in registers, so
 dZ is read by nobody but the two GEMMs after it:
 
     program (j, i): columns j*BLOCK_N ..+BLOCK_N, rows i*ROWS ..+ROWS, BLOCK_M rows at a time
@@ -24,9 +22,8 @@ dZ is read by nobody but the two GEMMs after it:
     db = sum of part's rows                               (N, M / ROWS) fp32 -> (N,): tiny, one launch
                                                           rounded into the bias's dtype (partials.py)
 
-Summing over rows inside the loop instead was slower than the two passes it replaces (118
-against 87 us on the H200): the warps then exchange partial sums through shared memory every
-iteration. The column sums add the fp32 dZ, before its rounding to dY's dtype, so db is at
+Summing over rows inside the loop instead was slower than the two passes it replaces: the warps
+then exchange partial sums through shared memory every iteration. The column sums add the fp32 dZ, before its rounding to dY's dtype, so db is at
 least as accurate as the unfused `dz.sum(0)` over the rounded dZ. Each program sums a fixed set
 of rows in a fixed order: the result is the same on every run (no atomics).
 """
@@ -101,9 +98,8 @@ def _gelu_backward_bias_kernel(
 
 # (ROWS, BLOCK_M, BLOCK_N, num_warps) on a GPU; the interpreter runs one numpy op per tile, so there
 # large tiles keep the tests fast. The GPU default is the fastest of ten tile sizes at GPT-2's
-# (12288, 3072) on an H200: 74.3 us, one loop iteration per program, against 78.5 us for
-# (128, 64, 64, 4), the tiles the training records before it ran with, and 89.1 us for Inductor's
-# two kernels (record kernels-gelu-backward-h200; NOTES-train.md).
+# (12288, 3072), one loop iteration per program, and faster than Inductor's two kernels (measured:
+# record kernels-gelu-backward-h200).
 _BIAS_CONFIG = (64, 64, 64, 4)
 _INTERPRET_BIAS_CONFIG = (64, 64, 64, 1)
 

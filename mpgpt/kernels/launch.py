@@ -5,9 +5,9 @@ to the kernel's parameters, build the autotuner's key and look up its best confi
 again, build the *specialisation* key (each tensor's dtype and whether its address is 16-byte
 aligned; each integer's value if it is 1, whether it divides by 16), find the compiled binary
 for that key, check that no global it read has changed, and only then call the small C function
-that launches it. On the H200 machine that path cost 68-151 us of host time per `matmul()`
-(benchmarks/NOTES-kernels.md), more than the 34 us the GPU spends on a 12288 x 768 x 768 product:
-the GPU sat idle waiting for Python.
+that launches it. For GPT-2's smaller products that path takes longer on the host than the
+product takes on the GPU, so the GPU sits idle waiting for Python (`python -m mpgpt.bench kernels`
+reports both times).
 
 For a given call signature (shapes, strides, dtypes, alignments, flags) every one of those steps
 gives the same answer each time. So the first call goes the long way, and we keep what it
@@ -106,8 +106,7 @@ class DescriptorMaps:
     Before each launch of a kernel with host-side TMA descriptors, Triton's launcher turns every
     descriptor into the 128-byte CUtensorMap the GPU reads (cuTensorMapEncodeTiled, from the base
     address, shape, strides, box and swizzle), in Python, one descriptor at a time: for the
-    seven descriptors of ws.py's kernel, about 14 us of the 25 us its replay took on an H100
-    machine's host (benchmarks/NOTES-kernels.md, section 7). A CUtensorMap is a pure function of
+    seven descriptors of ws.py's kernel, over half of that kernel's host time per call. A CUtensorMap is a pure function of
     those inputs, and for one remembered launch only the addresses, shapes and strides can change
     (box and swizzle are compiled in). So this keeps the encoded arguments per combination of
     (address, shape, strides) of the descriptors' tensors and hands them to Triton's C launcher

@@ -43,7 +43,7 @@ from .matmul import ACTIVATIONS, checked_2d
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # The matmul kernels (matmul.KERNELS) of the two gradient products: "auto", or a kernel to use
-# wherever it can run ("auto" elsewhere: ops.matmul_impl decides), e.g. "streamk" for dW = dZ^T @ X
+# wherever it can run ("auto" elsewhere: ops.matmul_impl decides), e.g. "tma" for dW = dZ^T @ X
 # and "ws" for dX = dZ @ W. Read at every backward pass, so the kernel benchmark can time the layer
 # each way.
 INPUT_GRAD_KERNEL = "auto"
@@ -79,7 +79,7 @@ class _TritonLinearFunction(torch.autograd.Function):
     low-precision copy saved by forward, the parameters' own dtypes for their gradients), so the
     autocast state cannot change what it computes. And the pair has costs: custom_bwd builds a
     torch.autocast context on every backward call (host time, though too little to stand out of
-    the host's run-to-run noise on an H100 machine: benchmarks/NOTES-kernels.md, section 11),
+    the host's run-to-run noise),
     and under torch.compile the pair makes Dynamo fail ("Global autocast state changed while
     dynamo tracing"), which had needed a second copy of this class without it."""
 
@@ -110,7 +110,7 @@ class _TritonLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        first_derivative_only("TritonLinear", "GPT.use_triton(False)")
+        first_derivative_only("TritonLinear", "mpgpt.fast.convert(model)")
         x2, w_lp, saved = ctx.saved_tensors
         dtype = w_lp.dtype
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)  # (M, out)

@@ -14,7 +14,7 @@
   strided or transposed operands are read in place: the kernels take the strides, so
   `matmul(x, w.t())` reads nn.Linear's weight without a copy.
 
-Four kernels, one file each:
+Three kernels, one file each:
 
 1. grouped.py — the teaching kernel: one program per output tile, tiles in grouped order,
    optional split-K. Runs everywhere: Ampere, Ada, Hopper, and the CPU interpreter.
@@ -24,9 +24,6 @@ Four kernels, one file each:
 3. ws.py — sm_90 only, written in Gluon: warp-specialised, 128 x 192 tiles, without
    activation, for the forward layout a @ w.t() and a row-major B, as dX = dY @ W reads W;
    and for a transposed A, as dW = dY.t() @ X reads dY, with K split into fp32 planes.
-4. streamk.py — sm_90 (and the interpreter): the TMA kernel's loads, with every (tile, K-step)
-   pair shared out evenly over a persistent grid, for products whose tiles fill the waves badly
-   (a weight gradient: few tiles, a long K). No epilogue; chosen only by `kernel="streamk"`.
 
 Which one runs is decided by `plan(...)` (a pure function: it launches nothing), and `matmul`
 runs what `plan` says, so the two cannot disagree. `kernel="auto"` (the default) means:
@@ -43,11 +40,11 @@ runs what `plan` says, so the two cannot disagree. `kernel="auto"` (the default)
   otherwise the TMA kernel wherever it can read the operands, except a product whose automatic
   split-K is 4 or more, which stays on the grouped kernel (it can split K, the TMA kernel
   cannot); otherwise the grouped kernel. Later GPUs (sm_100) take the TMA kernel the same way,
-  never the ws kernel. `auto` never chooses the stream-K kernel.
+  never the ws kernel.
 
-`kernel="grouped"`, `"tma"`, `"ws"` or `"streamk"` forces one (to compare them); forcing one
-that cannot run here raises a ValueError that says why (except in the interpreter, which runs
-the grouped kernel for "tma" and "ws", and runs the stream-K kernel itself). The GPU generation
+`kernel="grouped"`, `"tma"` or `"ws"` forces one (to compare them); forcing one that cannot run
+here raises a ValueError that says why (except in the interpreter, which runs the grouped kernel
+for "tma" and "ws"). The GPU generation
 is read through `env.capability`, so a test can make `plan` plan for another GPU by patching
 that one function.
 
@@ -61,18 +58,18 @@ from dataclasses import dataclass
 
 import torch
 
-from . import env, grouped, launch, streamk, tma, ws
+from . import env, grouped, launch
+from .hopper import tma, ws
 
 ACTIVATIONS = (None, "gelu", "relu")
-KERNELS = ("auto", "grouped", "tma", "ws", "streamk")
+KERNELS = ("auto", "grouped", "tma", "ws")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 # kernel="auto": a product whose automatic split-K is at least this stays on the grouped kernel,
-# which can split K; below it the TMA kernel runs unsplit. Measured on the H200
-# (benchmarks/linear_probe.py, graph replay, GPT-2 layers at 12288 tokens): dX on TMA
-# 78 / 29 / 105 / 102 us against 94 / 35 / 120 / 119 on the grouped kernel; dW on TMA unsplit 75 us
-# against 96 split 3 ways (c_attn) and 128-131 either way for the MLP (split 2), but 65 against
-# 44 split 8 ways for attn.c_proj's 768 x 768 output.
+# which can split K; below it the TMA kernel runs unsplit. Chosen by measurement on Hopper
+# (benchmarks/linear_probe.py, graph replay, GPT-2's layers at 12288 tokens): the TMA kernel wins
+# every dX and the weight gradients split fewer than 4 ways; the grouped kernel wins attn.c_proj's
+# 768 x 768 weight gradient, split 8 ways.
 SPLIT_K_OVER_TMA = 4
 
 
@@ -80,7 +77,7 @@ SPLIT_K_OVER_TMA = 4
 class Plan:
     """Which kernel `matmul` runs for a call, and why.
 
-    kernel: "grouped", "tma", "ws" or "streamk"; split_k: slices of K per output tile (1: unsplit;
+    kernel: "grouped", "tma" or "ws"; split_k: slices of K per output tile (1: unsplit;
     the grouped kernel runs a program per slice, the ws kernel, for a transposed A, a work unit
     per slice); interpreted: Triton's CPU interpreter runs it; reason: one line for humans, e.g.
     "sm_90, forward layout a @ w.t(), no activation: 128x192 tiles fill the waves better
@@ -106,8 +103,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     activation: None, "relu", or "gelu" (the tanh approximation, = nn.GELU(approximate="tanh")).
     out: optional preallocated (..., N) result, a's dtype or fp32 (any strides).
     kernel: "auto" (see the module docstring, and `plan` for what it picks for a call),
-        "grouped", "tma", "ws" or "streamk" (to compare them). Without a GPU every choice runs
-        the grouped kernel in the interpreter, except "streamk", which runs there too.
+        "grouped", "tma" or "ws" (to compare them). Without a GPU every choice runs the grouped
+        kernel in the interpreter.
     split_k: programs that share one output tile, each summing a slice of K into an fp32
         partial that the host then adds (the grouped kernel, or with kernel="ws" the
         warp-specialised one for a transposed A; no bias or activation). None chooses
@@ -129,10 +126,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     return out
 
 
-# Keys (accepted_key) of argument combinations that _check accepted. Host time: on an H100
-# machine a repeated matmul() call at attn.c_proj's shape cost 58 us of host time, of which
-# _matmul_2d took 32 and the output's allocation 5; the rest was _check, its meta-device stand-in
-# and the output's view (NOTES-kernels.md, section 7). The key takes a fraction of _check's time.
+# Keys (accepted_key) of argument combinations that _check accepted, so a repeated call skips
+# _check and its meta-device stand-in, a large share of a small product's host time. The key takes
+# a fraction of _check's time.
 _ACCEPTED: set = set()
 MAX_ACCEPTED = 4096
 
@@ -240,7 +236,7 @@ def _plan_2d(a, b, c, bias, z, activation, kernel, split_k) -> Plan:
         if epilogue:
             raise ValueError("split_k > 1 adds fp32 partial sums after the kernel: it takes no bias, activation "
                              "or z; use split_k=1")
-        if kernel in ("tma", "ws", "streamk"):
+        if kernel in ("tma", "ws"):
             raise ValueError("split_k > 1 runs on the grouped kernel, or on the ws kernel for a transposed A (a weight "
                              "gradient dY.t() @ X, 16-byte-aligned rows) on sm_90; use kernel='grouped' or 'auto'")
         where = "Triton's CPU interpreter" if interp else "sm_%d%d" % env.capability(a.device)
@@ -248,15 +244,6 @@ def _plan_2d(a, b, c, bias, z, activation, kernel, split_k) -> Plan:
                                                 f"{split_k} fp32 slices")
     if M == 0 or N == 0:
         return Plan("grouped", 1, interp, "empty output: nothing to launch")
-    if kernel == "streamk":
-        if epilogue:
-            raise ValueError("the stream-K kernel has no epilogue (bias, activation or z); use kernel='auto'")
-        why = streamk.eligible(a, b)
-        if why is not None:
-            raise ValueError(f"kernel='streamk' cannot run this product: {why}; use kernel='auto'")
-        where = "Triton's CPU interpreter" if interp else "sm_%d%d" % env.capability(a.device)
-        return Plan("streamk", 1, interp, f"{where}, kernel='streamk' asked: (tile, K-step) pairs shared out "
-                                          "evenly, shared tiles summed by a fixup in program order")
     if interp:
         why = "Triton's CPU interpreter (TRITON_INTERPRET=1) runs only the grouped kernel, tiles upcast to fp32"
         if kernel in ("tma", "ws"):
@@ -332,8 +319,6 @@ def _matmul_2d(a, b, c, bias=None, z=None, activation=None, kernel="auto", split
         replay = ws.launch_split(a, b, c, split_k=p.split_k)
     elif p.kernel == "ws":
         replay = ws.launch(a, b, c, bias)
-    elif p.kernel == "streamk":
-        replay = streamk.launch(a, b, c)
     elif p.kernel == "tma":
         replay = tma.launch(a, b, c, bias, z, activation)
     else:

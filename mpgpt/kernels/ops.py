@@ -29,7 +29,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import gelu, library, ws
+from . import gelu, library
+from .hopper import ws
 from .matmul import KERNELS, _matmul_2d, _plan_2d
 
 
@@ -40,8 +41,8 @@ def linear_forward_impl(x2: Tensor, w: Tensor, bias: Optional[Tensor], activatio
 
     GELU with z kept runs on the warp-specialised kernel's GELU epilogue where it can (sm_90,
     ws.gelu_forward, the fused MLP's forward): `matmul` would take the TMA kernel for an epilogue
-    that writes z, and in the compiled GPT-2 step on an H100 that took 139.2 us per c_fc forward
-    (record train-triton-profile-h100). ws.gelu_forward computes GELU of z as stored (rounded to
+    that writes z, which is slower at c_fc's shape (measured: record train-triton-profile-h100).
+    ws.gelu_forward computes GELU of z as stored (rounded to
     x2's dtype), as nn.Linear followed by nn.GELU does under autocast."""
     if activation == "gelu" and keep_z and ws.gelu_eligible(x2, w, bias):
         return ws.gelu_forward(x2, w, bias)

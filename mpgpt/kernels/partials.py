@@ -10,9 +10,9 @@ registers. Each program covers one group of rows, so what they leave is a table 
 Summed by `part.sum(1)`, the table gives an fp32 vector, and a model that keeps its parameters in
 bf16 (the trainer's 16-bit AdamW) then casts it: each LayerNorm's weight and bias gradients took
 three launches that way (the sum, and one cast each), GELU's and the head merge's bias gradients
-two. In the fastest GPT-2 step, recorded as one CUDA graph on the H200, those casts were 74 launches
-of about 1 us each, and every launch also leaves a gap of about 0.8 us before the next kernel
-(record train-profile-fastest-h200). `sum_partials` does the sum and the rounding in one launch.
+two. In the fastest GPT-2 step those casts were dozens of tiny launches, each also leaving a gap
+before the next kernel (measured: record train-profile-fastest-h200). `sum_partials` does the sum
+and the rounding in one launch.
 
 The sum runs over each row of the table in a fixed order, so the result does not change from run
 to run.

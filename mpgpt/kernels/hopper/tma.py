@@ -20,7 +20,7 @@ x @ w.t() and both gradient products of a linear layer (dX = dY @ W with B row-m
 dY.t() @ X with A transposed) all fit. Whether `matmul(kernel="auto")` takes this kernel is
 decided in matmul.plan.
 
-Its autotuned options, chosen by measurement (benchmarks/NOTES-kernels.md): output tiles stored
+Its autotuned options, chosen by measurement (`python -m mpgpt.bench kernels`): output tiles stored
 through TMA too (when `store_ok`), the epilogue run on two half tiles, compiler warp
 specialisation, and two programs per multiprocessor. Compiled only: the interpreter runs the
 grouped kernel instead.
@@ -29,18 +29,18 @@ from __future__ import annotations
 
 import torch
 
-from . import env
-from .env import tl, triton
-from .epilogue import bias_act, store_tile, tile_coords
-from .launch import autotune_enabled, compiled_launch
+from .. import env
+from ..env import tl, triton
+from ..epilogue import bias_act, store_tile, tile_coords
+from ..launch import autotune_enabled, compiled_launch
 
 
 # ----------------------------------------------------------------------------------------------
 # Configurations. Besides the tile, a config picks how the epilogue stores (TMA_STORE: through
 # a TMA descriptor; EPILOGUE_SUBTILE: in two half-width pieces), WARP_SPECIALIZE (the tile loop
 # split by the compiler into load and MMA warps) and PPS (programs per multiprocessor: 2 lets
-# one program's epilogue overlap another's main loop). Chosen from a sweep of 72 variants on the
-# H200 (benchmarks/NOTES-kernels.md): the fastest one or two per
+# one program's epilogue overlap another's main loop). Chosen from a sweep of 72 variants on
+# Hopper: the fastest one or two per
 # GPT-2 shape, plus the large-square configs.
 # ----------------------------------------------------------------------------------------------
 def _cfg(bm, bn, bk, stages, warps, store=False, subtile=False, ws=False, pps=1):
@@ -74,7 +74,7 @@ def operand_descriptors(a_ptr, b_ptr, M, N, K, stride_a, stride_b, A_T: tl.const
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Device-built TMA descriptors of A (M, K) and B (K, N) as they lie in memory: each may hold
     its transpose, row-major (A_T: A's memory is (K, M); B_T: B's memory is (N, K)), with a box
-    of one tile. Shared by this kernel and the stream-K kernel (streamk.py)."""
+    of one tile."""
     if A_T:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1],
                                            block_shape=[BLOCK_K, BLOCK_M])

@@ -14,7 +14,7 @@ later blocks) and needs, with xhat = (x' - mean) * rstd and g = dy * w,
 
 and dx' is the gradient of both x and the branch. Inductor compiles the row part and the column
 part as two kernels that each read dy and x' (or, with its "mix-order" reduction, as one kernel
-whose many partial sums then take 50 separate reductions a step; benchmarks/NOTES-train.md).
+whose many partial sums then take separate reductions).
 `layer_norm_backward` does both in one pass, as `gelu.gelu_backward_bias` does for c_fc: each
 program takes ROWS rows, BLOCK_M at a time, whole rows wide, writes dx' and keeps element-wise
 fp32 sums of dy * xhat and dy; it sums them over its rows once, at the end, into a small table
@@ -23,39 +23,31 @@ that one last sum over contiguous memory finishes and rounds into the parameters
 dx'_res, write dx', once each.
 
 Where the branch's last matmul left its bias b out and the add puts it in, x' = x + (branch + b)
-(`residual_layer_norm`'s branch_bias; GPT.set_fused_layer_norm(bias_in_add=True) does this with
+(`residual_layer_norm`'s branch_bias; mpgpt.fast.convert(model, fused_ln=True, bias_in_add=True) does this with
 c_proj's biases), b's gradient is dx' summed over the rows. With SUM_DX the kernel keeps that sum
 too, from dx' in fp32 before it is rounded, as a third table for the same last launch; the
 reduction the matmul's bias would have needed over the same (M, C) gradient is gone.
 
-At GPT-2's (12288, 768) on the H200, timed as replayed CUDA graphs: 43.1 us against 52.6 us for
-Inductor's two kernels (record kernels-layer-norm-one-sum-h200; 46.2 us with one last sum for dw
-and another for db, record kernels-layer-norm-h200). The layout is what makes it pay: held as
-(BLOCK_M, 1024) tiles, each row is split across the warps, whose partial row sums then meet in
-shared memory twice per iteration: 61.2 us, slower than Inductor (record kernels-fused-backward-h200).
-Whole rows live in registers, so the kernel suits GPT-2-sized rows (C in the hundreds or low
-thousands); much wider rows still compute correctly but spill.
+At GPT-2's (12288, 768) on Hopper it runs faster than Inductor's two kernels (measured: record
+kernels-layer-norm-one-sum-h200). The layout is what makes it pay: held as (BLOCK_M, 1024) tiles,
+each row would be split across the warps, whose partial row sums then meet in shared memory twice
+per iteration, which was slower than Inductor. Whole rows live in registers, so the kernel suits
+GPT-2-sized rows (C in the hundreds or low thousands); much wider rows still compute correctly but
+spill.
 
-Whole rows also cost registers: 168 a thread at C = 768, no spills (compiled ahead of time for
-sm_90 with Triton 3.6, with the specialisations a launch at GPT-2's shapes gets: 16-byte aligned
-pointers, sizes divisible by 16), so three 4-warp programs fit on a multiprocessor. At (32, 4, 4)
-tiles, each iteration loaded its rows only when it started, and the kernel moved its bytes at
-1.75 TB/s on the H200, well below a copy's 4.3: a warp waited on memory, computed its two row
-sums, then waited again for dx'_res. With STAGES = 3, Triton's software pipeliner requests the
-rows of the next iterations into shared memory (49 KB a program) while the current ones are
-computed. That takes 207 registers (two programs per multiprocessor) and is the default, at
-(64, 4, 4): one wave of 192 programs at GPT-2's shape. On an H100, as replayed graphs with the
-last sum, 35.9 against 42.5 us (a scratch run; (64, 4, 4) without the pipeline took 48.3), and in
-the step 0.13 ms less (benchmarks/NOTES-train.md). (Compiled without those specialisations,
-the bf16 loads are 2-byte scalars and the count reads 255 with spills, which is not what runs.
-Making C a compile-time constant, to drop the padding chunk of a 768-wide row, takes 179 registers
-with them (181 with an fp32 weight), two programs per multiprocessor: not kept. Splitting the row
-into a tile of two chunks and a tile of one took 231: not kept either.)
+Whole rows also cost registers (about 170 a thread at C = 768 with the specialisations a launch at
+GPT-2's shapes gets: 16-byte aligned pointers, sizes divisible by 16), so three 4-warp programs fit
+on a multiprocessor. Loading each iteration's rows only when it starts leaves a warp waiting on
+memory, then on dx'_res; with STAGES = 3 Triton's software pipeliner requests the rows of the next
+iterations into shared memory while the current ones are computed. That takes about 210
+registers (two programs per multiprocessor) and is the default, at (64, 4, 4): one wave of
+programs at GPT-2's shape. (Making C a compile-time constant, or splitting the row into two
+tiles, took more registers and did not pay.)
 
 A second kernel (config method "two-pass") holds (BLOCK_M, 256) tiles only, 72 registers a
 thread: it first walks each row for its two sums, then the columns chunk by chunk, reading dy and
-x' a second time (from the L2 cache, if it still holds them). It is not the default: at GPT-2's
-shape on the H200 it took 64.6 us at best against this kernel's 42.5 (record kernels-grads-h200).
+x' a second time (from the L2 cache, if it still holds them). It is not the default: it is slower
+at GPT-2's shape (measured: record kernels-grads-h200).
 
 The forward pass stays torch ops (`residual_layer_norm`'s autograd Function): Inductor already fuses
 the add, the statistics and the normalisation into one kernel. The Function keeps x', mean and
@@ -71,9 +63,9 @@ from torch import Tensor
 
 from mpgpt.fused_loss import first_derivative_only
 
-from . import env, library, partials
-from .env import tl, triton
-from .linear import _compute_dtype, _op
+from mpgpt.kernels import env, library, partials
+from mpgpt.kernels.env import tl, triton
+from mpgpt.kernels.linear import _compute_dtype, _op
 
 
 @triton.jit
@@ -105,7 +97,7 @@ def _layer_norm_backward_kernel(
     col_ok = cols < C
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     # Summed element by element across iterations and over the rows only once at the end (summing
-    # over the rows each iteration measured 57.5 against 46.2 us on the H200).
+    # over the rows each iteration was slower: it puts a reduction in every iteration).
     acc_w = tl.zeros((NCHUNK, BLOCK_M, CHUNK), dtype=tl.float32)          # sum of dy * xhat
     acc_b = tl.zeros((NCHUNK, BLOCK_M, CHUNK), dtype=tl.float32)          # sum of dy
     acc_x = tl.zeros((NCHUNK, BLOCK_M, CHUNK), dtype=tl.float32)          # sum of dx' (SUM_DX only)
@@ -212,12 +204,10 @@ def _layer_norm_backward_two_pass_kernel(
             tl.store(part_ptr + (2 * C + cols) * R + pid, tl.sum(acc_x, axis=0), mask=col_ok)
 
 
-# (ROWS, BLOCK_M, num_warps, method, stages) on a GPU: the fastest of eight in a sweep at GPT-2's
-# (12288, 768) on an H100, with and without the dx' sums: 35.9 and 38.1 us, where the unpipelined
-# (32, 4, 4) took 42.5 and 58.0 us in the same sweep (it was the fastest in two earlier sweeps on
-# the H200, records kernels-layer-norm-h200 and kernels-layer-norm-one-sum-h200). With the third
-# sum the kernel takes 255 registers, still two programs per multiprocessor. The interpreter runs
-# one numpy op per tile, so there large tiles keep the tests fast.
+# (ROWS, BLOCK_M, num_warps, method, stages) on a GPU: the fastest of a sweep at GPT-2's
+# (12288, 768) on Hopper, with and without the dx' sums (`python -m mpgpt.bench kernels` sweeps
+# LAYER_NORM_CONFIGS). With the third sum the kernel takes 255 registers, still two programs per
+# multiprocessor. The interpreter runs one numpy op per tile, so there large tiles keep the tests fast.
 _CONFIG = (64, 4, 4, "whole-rows", 3)  # with or without the third sum (SUM_DX): the fastest of both sweeps
 _INTERPRET_CONFIG = (64, 32, 1)
 _CHUNK = 256
@@ -361,7 +351,7 @@ class _ResidualLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        first_derivative_only("set_fused_layer_norm", "GPT.set_fused_layer_norm(False)")
+        first_derivative_only("the fused LayerNorm", "mpgpt.fast.convert(model)")
         x2, mean, rstd, weight = ctx.saved_tensors
         shape, x_dt, branch_dt, w_dt, b_dt, bb_dt = ctx.meta
         d_res, dy = grads if branch_dt is not None else (None, grads[0])

@@ -3,7 +3,7 @@
 GPT-2's output layer scores 12,288 positions (batch 12 x 1024) against 50,304 tokens: 618M logits,
 1.24 GB in bf16. Written with torch ops (``F.cross_entropy(logits.float(), ...)``) and compiled, the
 loss reduces them in the forward pass, keeps them for the backward pass, and reads them again there
-to recompute the softmax (1.7-1.8 ms per step on an H200, benchmarks/NOTES-train.md). llm.c's fused
+to recompute the softmax. llm.c's fused
 classifier instead computes the loss *and* the logits' gradient in the forward pass, over the 16-bit
 logits, and overwrites the logits with that gradient. This module does the same:
 
@@ -53,8 +53,8 @@ from torch import Tensor
 
 from mpgpt.fused_loss import first_derivative_only, rescale_summed_grads, save_summed_grads
 
-from . import env
-from .env import tl, triton
+from mpgpt.kernels import env
+from mpgpt.kernels.env import tl, triton
 
 __all__ = ["cross_entropy_rows_", "linear_cross_entropy_op", "fused_linear_cross_entropy"]
 
@@ -218,7 +218,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        first_derivative_only("set_fused_loss", "GPT.set_fused_loss(False)")
+        first_derivative_only("the fused loss", "mpgpt.fast.convert(model)")
         if ctx.mean_grads:  # the 1/n is in already: only the upstream gradient (exact for a power of two)
             grad_x, grad_w, _ = ctx.saved_tensors
             return (grad_x * grad_out).to(ctx.dtypes[0]), grad_w * grad_out, None, None

@@ -46,7 +46,7 @@ no activation, C row-major; every base address and row pitch 16-byte aligned. `k
 takes it for either layout where `ws_preferred` says its tiles fill the waves (for dX it measured
 0.96-1.01x of cuBLAS against the TMA kernel's 0.84-0.95x: record kernels-grads-h200).
 `gelu_forward` runs the same kernel with a GELU epilogue (EPILOGUE=1: Z = A w^T + bias and
-gelu(Z), both stored) for the MLP's first product (kernels/mlp.py); `gelu_eligible` says where.
+gelu(Z), both stored) for the MLP's first product (fast/mlp.py); `gelu_eligible` says where.
 There a third partition does the epilogue: the MMA warps round Z into the staging buffers and go
 on to the next tile, while four more warps store Z, evaluate GELU from it in place, store that,
 and hand the buffers back (two mbarriers, z_ready and z_empty). When the MMA warps evaluated GELU
@@ -59,7 +59,7 @@ from shared memory, Z brought there by TMA a tile ahead with three load stages i
 make room, and writes dZ from registers). On an H100 it took 144.5 us at GPT-2's shape against
 179.2 us for cuBLAS's product and gelu.py's pass (record kernels-dgelu-eight-warps-h100; earlier
 versions and why they were slower: _gelu_grad_partition, benchmarks/NOTES-train.md). It has not
-been timed in the training step yet, so the MLP uses it only when asked (kernels/mlp.py,
+been timed in the training step yet, so the MLP uses it only when asked (fast/mlp.py,
 gelu_backward="epilogue").
 `launch_split` runs it for the weight gradient dW = dY.t() @ X (A read transposed: the producer
 loads (K, M) boxes of dY and the MMA reads them as transposed views, as it reads w). Such a
@@ -78,9 +78,9 @@ from __future__ import annotations
 
 import torch
 
-from . import env
-from .env import TRITON_IMPORT_ERROR, triton
-from .launch import compiled_launch, lean_launch_enabled
+from .. import env
+from ..env import TRITON_IMPORT_ERROR, triton
+from ..launch import compiled_launch, lean_launch_enabled
 
 WS_IMPORT_ERROR = TRITON_IMPORT_ERROR
 try:
@@ -1028,7 +1028,7 @@ def launch_split(a, b, c, split_k, narrow=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# GELU fused into the MLP's first product (used by kernels/mlp.py)
+# GELU fused into the MLP's first product (used by fast/mlp.py)
 # ----------------------------------------------------------------------------------------------
 _GELU_LAUNCHES: dict = {}  # call signature -> CompiledLaunch (the lean path, as launch() has)
 
@@ -1077,7 +1077,7 @@ def gelu_forward(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
 
 
 # ----------------------------------------------------------------------------------------------
-# GELU's backward fused into the MLP's dOut @ W_proj (used by kernels/mlp.py)
+# GELU's backward fused into the MLP's dOut @ W_proj (used by fast/mlp.py)
 # ----------------------------------------------------------------------------------------------
 _GELU_GRAD_LAUNCHES: dict = {}  # call signature -> CompiledLaunch
 
@@ -1108,7 +1108,7 @@ def gelu_backward_fused(g: torch.Tensor, w: torch.Tensor, z: torch.Tensor, with_
     same dZ and db as gelu.gelu_backward_bias(g @ w, z), up to the order of fp32 sums. The caller
     checked gelu_backward_eligible(g, w, z). ``num_programs`` (default: balanced_programs)
     lets a test give each program several tiles at a small shape."""
-    from . import partials
+    from .. import partials
     M, N = g.shape[0], w.shape[1]
     dz = torch.empty((M, N), dtype=g.dtype, device=g.device)
     part = torch.empty((N, triton.cdiv(M, BLOCK_M)), dtype=torch.float32, device=g.device) if with_bias else None

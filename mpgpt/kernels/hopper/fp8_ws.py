@@ -7,8 +7,8 @@ accumulate, so an accurate fp8 GEMM *promotes*: every 128 elements of K it adds 
 cores' partial sum into an fp32 accumulator held in registers (DeepSeek-V3, section 3.3.2). In
 fp8_matmul.py that is `tl.dot(..., max_num_imprecise_acc=128)`. There each promotion waits for
 the tensor cores to finish, the warps then add, and only then start the next product: the
-tensor cores stand idle during every add, and the kernel runs at about 0.8x of cuBLAS's
-promoted fp8 GEMM (record fp8-h200).
+tensor cores stand idle during every add, and the kernel runs well below cuBLAS's promoted fp8
+GEMM (measured: record fp8-h200).
 
 The cure is the one DeepGEMM and cuBLAS use: two groups of warps that do not wait for each other,
 so that while one group adds its partial sums the other group's products keep the tensor cores
@@ -21,10 +21,9 @@ busy. Triton's tile language cannot say "these warps, independently"; Gluon can:
   waits for the stage, issues an asynchronous warpgroup MMA into a scratch accumulator
   (`use_acc=False`: the partial sum of these 128 elements of K, from zero), waits for it, tells
   the producer it is done with the stage, and adds the partial sum into its fp32 accumulator;
-* the two consumers run free: nothing makes them take turns. On the H200 forcing turns (two
-  mbarriers passed back and forth, as CUTLASS's ping-pong kernels do) was no faster (up to 4 %
-  slower), and 128 x 128 tiles 4-9 % slower than 128 x 256 (a sweep outside the record,
-  benchmarks/NOTES-kernels.md).
+* the two consumers run free: nothing makes them take turns. Forcing turns (two mbarriers passed
+  back and forth, as CUTLASS's ping-pong kernels do) was no faster, and 128 x 128 tiles were
+  slower than 128 x 256.
 
 A tile is 128 rows by 256 columns, made as two 128-column parts. Each part has its own fp32
 accumulator (64 registers a thread) and both reuse one scratch accumulator: 3 x 64 registers a
@@ -39,15 +38,15 @@ Scope, checked by `fp8_ws_eligible`: sm_90 exactly, Gluon importable, compiled m
 output, both operands row-major with 16-byte aligned bases and row pitches, C too. An fp8 output
 (with its amax) stays on fp8_matmul.py's kernels.
 
-Measured on the H200 (record fp8-h200, do_bench): promoting, 1.04x and 0.93x of cuBLAS's promoted
-fp8 GEMM (torch._scaled_mm) at 4096^3 and 8192^3, 1.67x and 1.72x bf16 cuBLAS.
+Promoting, it runs about as fast as cuBLAS's promoted fp8 GEMM (torch._scaled_mm) and well above
+bf16 cuBLAS at large cubes (measured: record fp8-h200, which chapter 9 shows).
 """
 from __future__ import annotations
 
 import torch
 
-from . import env
-from .env import TRITON_IMPORT_ERROR, triton
+from .. import env
+from ..env import TRITON_IMPORT_ERROR, triton
 from .ws import _aligned
 
 WS_FP8_IMPORT_ERROR = TRITON_IMPORT_ERROR

@@ -9,8 +9,7 @@ into heads. The backward pass receives dq, dk, dv from the attention kernel and 
     dW = d_qkv^T x,  dx = d_qkv W                cuBLAS
 
 where autograd, compiled or not, would copy the three gradients into d_qkv and then read d_qkv
-again for db (two passes: 49.2 us against the one pass's 41.1 us per layer at GPT-2's shape on the
-H200; benchmarks/NOTES-train.md). db is summed in fp32 from the same bf16 values, then rounded
+again for db (two passes where heads.py takes one). db is summed in fp32 from the same bf16 values, then rounded
 once to the bias's dtype, where autocast's backward rounds it to bf16 first.
 
 Dtypes follow the fused MLP (mlp.py): autocast's dtype under autocast, a bf16/fp16 model's own
@@ -28,8 +27,10 @@ from torch import Tensor
 
 from mpgpt.fused_loss import first_derivative_only
 
-from . import env, heads, library
-from .linear import _compute_dtype, _op
+from mpgpt.kernels import env, library
+from mpgpt.kernels.linear import _compute_dtype, _op
+
+from . import heads
 
 def _triton_merge(t: Tensor) -> bool:
     """Whether the merge runs as the Triton pass here (a module-level function, so tests can switch it)."""
@@ -76,7 +77,7 @@ class _QKVFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        first_derivative_only("use_triton(layers='mlp+qkv')", "GPT.use_triton(False)")
+        first_derivative_only("the fused attention input (triton='mlp+qkv')", "mpgpt.fast.convert(model)")
         x2, w_lp = ctx.saved_tensors
         x_shape, x_dtype, w_dt, b_dt = ctx.meta
         dq, dk, dv = (g.to(w_lp.dtype) for g in (dq, dk, dv))

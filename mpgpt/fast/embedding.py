@@ -9,8 +9,7 @@ the final hidden states against every token (the output layer). Its gradient is 
 
 Autograd adds them as two dense matrices. Under torch.compile the embedding's part is a scatter into
 a zero-filled fp32 (V, C) matrix, which is then added to the output layer's: for GPT-2 at 12 x 1024
-tokens on the H200, 0.17 ms a step in five kernels (record train-profile-epilogue-h200), of which
-the zero fill and the addition move about 540 MB, for at most 12,288 of the 50,304 rows.
+tokens the zero fill and the addition move about 540 MB, for at most 12,288 of the 50,304 rows.
 
 `embedding_grad_into_` adds the embedding's part into dW_head where it lies, touching only the rows
 of tokens that occur:
@@ -41,9 +40,9 @@ from torch import Tensor
 
 from mpgpt.fused_loss import first_derivative_only
 
-from . import env
-from .env import tl, triton
-from .linear import _op
+from mpgpt.kernels import env
+from mpgpt.kernels.env import tl, triton
+from mpgpt.kernels.linear import _op
 
 __all__ = ["embedding_grad_into_", "embedding_grad_reference", "tied_embedding"]
 
@@ -215,7 +214,7 @@ class _TiedEmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_x0, d_w):
-        first_derivative_only("set_fused_embedding", "GPT.set_fused_embedding(False)")
+        first_derivative_only("the fused embedding", "mpgpt.fast.convert(model)")
         (idx,) = ctx.saved_tensors
         n_pos, wpe_dtype = ctx.meta
         # d_w comes from the output layer's backward alone (the view is used nowhere else), so it is

@@ -3,10 +3,9 @@
     out = gelu(x @ W_fc^T + b_fc) @ W_proj^T + b_proj      x: (..., C)   W_fc: (4C, C)   W_proj: (C, 4C)
 
 Unfused, GELU's forward pass is a pass of its own over a (tokens, 4C) tensor: read Z, write
-gelu(Z), 0.61 ms of a 23.6 ms GPT-2 step on the H200 (benchmarks/NOTES-train.md). llm.c moves it
-into cuBLASLt's GEMM epilogue; torch does not expose that epilogue with Z kept for the backward
-pass, so here it goes into our warp-specialised Gluon kernel (ws.py), within 4 % of cuBLAS on
-GPT-2's c_fc shape (95.9 against 92.5 us, do_bench on the H200):
+gelu(Z). llm.c moves it into cuBLASLt's GEMM epilogue; torch does not expose that epilogue with Z
+kept for the backward pass, so here it goes into our warp-specialised Gluon kernel (ws.py), which
+runs GPT-2's c_fc product close to cuBLAS (measured: record kernels-h200):
 
     forward    Z = x W_fc^T + b_fc, Y = gelu(Z)      one launch; the epilogue writes Z, then Y
                out = Y W_proj^T + b_proj             cuBLAS (torch)
@@ -14,29 +13,21 @@ GPT-2's c_fc shape (95.9 against 92.5 us, do_bench on the H200):
                dZ = dH * gelu'(Z), db_fc = sum_rows dZ  one Triton pass (gelu.py) on a GPU; or both
                                                         lines in one launch (gelu_backward="epilogue")
                the weight gradients and dx              cuBLAS (the weight gradients: or, with
-                                                        weight_grad_kernel="streamk", streamk.py)
+                                                        weight_grad_kernel, a kernel of matmul.py)
 
 Unfused, GELU's backward and c_fc's bias gradient are two passes (Inductor's pointwise kernel,
-then a column reduction that reads dZ again): 0.75 + 0.27 ms of the step. `gelu_backward_bias`
-sums the columns while each tile of dZ is still in registers: 74.3 against 89.1 us per block on
-the H200 (record kernels-gelu-backward-h200, at the tiles gelu.py now uses; the training records
-ran an earlier default, 78.5 us). On a CPU, or without Triton, the same two lines
-run as torch ops.
+then a column reduction that reads dZ again). `gelu_backward_bias` sums the columns while each tile
+of dZ is still in registers, so dZ is read once. On a CPU, or without Triton, the same two lines run
+as torch ops.
 
 GELU's backward can also go into the epilogue of dOut W_proj, as llm.c does (gelu_backward=
-"epilogue": `product_gelu_backward`, EPILOGUE 2 of ws.py). The first try, with the epilogue run
-by the MMA warps themselves, made that product take 183.6 us on the H200 against 93.3 us without
-it: no faster than the product followed by the separate passes (185.7 us), because the tensor
-cores waited while gelu' (about fifteen fp32 operations per element) ran. The form here hands each
-tile of dH to a partition of other warps, as the forward's GELU epilogue does, so that gelu' and
-the column sums run beside the next tile's MMAs. Its first two versions were still slower on the
-H200 at GPT-2's shape: 216.4 us with Z read from global memory, against 161.4 us for cuBLAS's
-product and the separate pass (a probe, benchmarks/NOTES-train.md), and 191.9 us with Z brought
-in by TMA and dZ stored through shared memory, against 162.8 us (record kernels-dgelu-h200).
-NOTES-train has why both were slow. The version here has eight warps write dZ from registers:
-144.5 us against 179.2 us on an H100 (record kernels-dgelu-eight-warps-h100). It has not been
-timed in the training step yet, so "pass" is the default. The memory kept for the backward pass
-is what the unfused module keeps: x, Z and Y.
+"epilogue": `product_gelu_backward`, EPILOGUE 2 of ws.py). Run by the MMA warps themselves, gelu'
+(about fifteen fp32 operations per element) would keep the tensor cores waiting; the form here hands
+each tile of dH to a partition of other warps, as the forward's GELU epilogue does, so that gelu' and
+the column sums run beside the next tile's MMAs, and eight warps write dZ from registers. The recipe
+token `gelu-epilogue` switches it on in the training step (`python -m mpgpt.recipe gelu-epilogue`
+shows its measured effect); "pass" stays the default of this function. The memory kept for the
+backward pass is what the unfused module keeps: x, Z and Y.
 
 Where the Gluon kernel cannot run (no sm_90, no Gluon, odd alignment) the custom operator computes
 the same thing with torch ops, so the module works everywhere and its autograd is tested on the
@@ -54,9 +45,10 @@ from torch import Tensor
 
 from mpgpt.fused_loss import first_derivative_only
 
-from . import env, gelu, library, ops, ws
-from .linear import _compute_dtype, _op
-from .matmul import KERNELS
+from mpgpt.kernels import env, gelu, library, ops
+from mpgpt.kernels.hopper import ws
+from mpgpt.kernels.linear import _compute_dtype, _op
+from mpgpt.kernels.matmul import KERNELS
 
 # What may compute the MLP's weight gradients: cuBLAS (torch's matmul), or one of the package's
 # matmul kernels, each of which can read a weight gradient's transposed A (ws through launch_split).
@@ -151,7 +143,7 @@ def check_gelu_backward(where: str) -> str:
 def _weight_grad(a: Tensor, b: Tensor, out_dtype: torch.dtype, kernel: str) -> Tensor:
     """a @ b for a weight gradient, (out, tokens) @ (tokens, in). kernel "cublas": torch's matmul
     in a's dtype, then cast (what nn.Linear's backward does under autocast); otherwise that kernel
-    of mpgpt.kernels.matmul (e.g. "streamk", where it can run), which writes out_dtype straight
+    of mpgpt.kernels.matmul (e.g. "tma", where it can run), which writes out_dtype straight
     from its fp32 sums."""
     if kernel == "cublas" or env.TRITON_IMPORT_ERROR is not None:
         return (a @ b).to(out_dtype)
@@ -179,7 +171,7 @@ class _GeluMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        first_derivative_only("use_triton(layers='mlp')", "GPT.use_triton(False)")
+        first_derivative_only("the fused MLP (triton='mlp')", "mpgpt.fast.convert(model)")
         x2, w_fc_lp, w_proj_lp, y, z = ctx.saved_tensors
         (x_shape, x_dtype), (w_fc_dt, b_fc_dt, w_proj_dt, b_proj_dt) = ctx.shapes, ctx.dtypes
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(w_proj_lp.dtype).contiguous()  # dOut: (M, C)
@@ -201,9 +193,8 @@ def gelu_mlp(x: Tensor, w_fc: Tensor, b_fc: Optional[Tensor], w_proj: Tensor, b_
     """gelu(x @ w_fc.T + b_fc) @ w_proj.T + b_proj (GELU's tanh approximation), with GELU fused as
     the module docstring says; for an fp32 model outside autocast, exactly the unfused torch ops.
     weight_grad_kernel: "cublas", or a kernel of mpgpt.kernels.matmul for the two weight
-    gradients (WEIGHT_GRAD_KERNELS; see _weight_grad). On an H100 cuBLAS is the fastest of them
-    at GPT-2's MLP (85 us against 102 us for "auto", the warp-specialised kernel unsplit; record
-    kernels-grads-split-h100), hence the default.
+    gradients (WEIGHT_GRAD_KERNELS; see _weight_grad). cuBLAS is the fastest of them at GPT-2's
+    MLP, hence the default (measured: record kernels-grads-split-h100).
     gelu_backward: "pass" (cuBLAS's dOut W_proj, then gelu.py's pass) or "epilogue" (both in one
     launch of the warp-specialised kernel where it runs; GELU_BACKWARDS)."""
     check_weight_grad_kernel(weight_grad_kernel)
