@@ -29,6 +29,3 @@ def test_a_row_carries_the_wall_clock_figure_with_the_loss_read_every_step(monke
     (row,) = training.bench_train(["fp32"], preset="tiny", batch_size=2, block_size=16, warmup=1, steps=3)
     assert len(reads) == 1 + 3 + 3  # warm-up, the event-timed steps, the synced steps
     assert 0 < row["tokens_per_s_synced"]
-    # Both figures count the same tokens; the synced one adds the host's wait, so it is not faster
-    # by more than timing noise on a CPU, where both are wall clock.
-    assert row["tokens_per_s_synced"] < 3 * row["tokens_per_s"]
