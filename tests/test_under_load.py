@@ -10,11 +10,12 @@ REPEATS more times while two other processes keep the GPU busy with bf16 product
 must equal the first result bit for bit (torch.equal).
 
 The cases are GPT-2 small's shapes (12 sequences of 1024 tokens, 768 channels): the kernels of the
-fast model (warp-specialised products with their GELU epilogues, fused LayerNorm and residual add,
+fast model (warp-specialised products with the GELU forward epilogue, fused LayerNorm and residual add,
 the q/k/v heads, the tied embedding's gradient, the fused cross-entropy, the column sums of
 partials), one step of its 16-bit AdamW, the fp8 casts and the fp8 product, each through its
-public entry point. A race in the GELU-backward epilogue showed in 1 to 4 of every 5 repeats
-under this load before it was fixed, so REPEATS = 20 catches one like it with near certainty.
+public entry point; and the GELU-backward epilogue, withdrawn from the recipes because it gave
+different bits under such load (in 1 to 4 of every 5 repeats), kept here as an expected failure
+until it passes. REPEATS = 20 catches a race that shows that often with near certainty.
 
 Run alone and with `-n 4` (each worker then adds its own load) on a GPU of compute capability 9.0.
 """
@@ -74,7 +75,7 @@ ROWS = 12 * 1024  # tokens a step: GPT-2 small's benchmark batch, 12 sequences o
 
 
 def _gelu_backward_case(rows=ROWS):
-    from mpgpt.kernels import ws
+    from mpgpt.kernels.hopper import ws
     M, K, N = rows, 768, 3072
     g = torch.randn(M, K, device="cuda").bfloat16()
     w = (torch.randn(K, N, device="cuda") / K**0.5).bfloat16()
@@ -103,14 +104,12 @@ def _products_case(rows=ROWS):
 def _fast_model_case(rows=ROWS):
     """Forward and backward of GPT-2 small with every custom kernel of the fastest rows switched on
     (eager: the kernels themselves, not a compiled graph), then one AdamW16 step."""
+    from mpgpt.fast import convert
     from mpgpt.model import GPT, GPTConfig
     from mpgpt.optim16 import AdamW16
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("gpt2")).cuda().bfloat16()
-    model.use_triton(True, layers="mlp+qkv", gelu_backward="epilogue")
-    model.set_fused_layer_norm(True, bias_in_add=True)
-    model.set_fused_embedding(True)
-    model.set_fused_loss(True)
+    convert(model, triton="mlp+qkv", fused_ln=True, fused_emb=True, fused_loss=True)
     start = [p.detach().clone() for p in model.parameters()]
     idx = torch.randint(0, model.config.vocab_size, (rows // 1024, 1024), device="cuda")
     tgt = torch.randint(0, model.config.vocab_size, (rows // 1024, 1024), device="cuda")
@@ -148,7 +147,7 @@ def _fp8_case(rows=ROWS):
 
 
 CASES = {
-    "ws GELU-backward epilogue": _gelu_backward_case,
+    "ws GELU-backward epilogue (withdrawn)": _gelu_backward_case,
     "ws products (plain, GELU forward, split-K)": _products_case,
     "fast GPT-2 small step (eager kernels, AdamW16)": _fast_model_case,
     "fp8 casts and product": _fp8_case,
@@ -166,7 +165,11 @@ def _differences(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[str]:
             for i, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+WITHDRAWN = pytest.mark.xfail(reason="GELU's backward in the epilogue (fast/mlp.py's WITHDRAWN) gave different "
+                                      "bits under load; it comes back when this passes", strict=False)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=WITHDRAWN) if "withdrawn" in c else c for c in CASES])
 def test_gpu_kernel_gives_the_same_bits_under_load(case):
     _hopper_or_skip()
     fn = CASES[case]()
