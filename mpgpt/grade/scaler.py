@@ -78,6 +78,10 @@ class DynamicLossScaler:
 
 
 OWN = ("mpgpt.scaling",)
+# torch's scaler is what the checks compare with: a file that uses it is not graded either.
+REFERENCE_NAMES = ("GradScaler",)
+REFERENCES = ("torch.amp.GradScaler", "torch.amp.grad_scaler.GradScaler", "torch.cuda.amp.GradScaler",
+              "torch.cuda.amp.grad_scaler.GradScaler", "torch.cpu.amp.GradScaler", "torch.GradScaler")
 LEGEND = ("Flags in a failure line: one letter per iteration, '.' clean, 'x' an inf in a gradient, "
           "'n' a NaN in a gradient; the last letter is the iteration where your scaler went wrong.")
 
@@ -367,6 +371,19 @@ def _judge_resume(case: Case, observed) -> None:
             hint = ("save the scale itself: the resumed run started from another scale" if i == cut else None)
             raise Failed(f"a run resumed from state_dict() after iteration {cut} departs from the "
                          f"uninterrupted one at iteration {i} (flags {flags!r}, {kw})", hint)
+
+
+def warm_up() -> None:
+    """Run once in the child before the learner's file is imported: torch's first optimizer step
+    loads code lazily, which must not count against the time limit of the first behaviour."""
+    p, g = _model([1.0] * 4, [1.0] * 4)
+    optimizer = torch.optim.SGD([p], lr=0.5)
+    handle = optimizer.register_step_post_hook(lambda *args: None)
+    (p * g).sum().backward()
+    bool(torch.isfinite(p.grad).all())
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    handle.remove()
 
 
 def checks() -> list[Check]:
