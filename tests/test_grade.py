@@ -144,7 +144,7 @@ def _cli(*args, cwd):
     ("misses NaN", "same scales and skipped steps as torch.amp.GradScaler", "NaN"),
     ("off-by-one growth interval", "the scale grows after growth_interval clean steps", "not one later"),
     ("overflow keeps the count", "same scales and skipped steps as torch.amp.GradScaler", "resets the growth count"),
-    ("never resets the unscaled flag", "unscale_() then step() divides by S only once", "twice"),
+    ("never resets the unscaled flag", "unscale_() then step() divides by S only once", "reset that in update()"),
 ])
 def test_the_hint_names_the_behaviour_that_went_wrong(bug, behaviour, says, tmp_path):
     marker, replacement, _ = PLANTED["ch5-scaler"][bug]

@@ -77,7 +77,8 @@ def test_os_exit_after_printing_a_pass_is_no_pass(tmp_path):
     assert "10 of 10" not in at_import.stdout
     in_update = SCALER.replace("    def update(self):\n", "    def update(self):\n        import os; os._exit(0)\n")
     report = _grade(tmp_path, in_update)
-    assert _passes(report) == 0 and "the process ended during this behaviour" in report.outcomes[1].seen
+    ended = [o for o in report.outcomes if "the process ended during this behaviour" in o.seen]
+    assert not report.passed and len(ended) >= 5 and not any(o.passed for o in ended)
 
 
 def test_sys_exit_never_passes(tmp_path):
@@ -176,20 +177,21 @@ def test_a_write_outside_the_folder_is_refused_and_inside_allowed(tmp_path):
     inside_a_behaviour = _grade(tmp_path, SCALER.replace(
         "    def get_scale(self):\n",
         f"    def get_scale(self):\n        import shutil; shutil.copy(__file__, {str(outside)!r})\n"))
-    assert _passes(inside_a_behaviour) < 3 and not outside.exists()
+    refused = [o for o in inside_a_behaviour.outcomes if "not allowed" in o.seen]
+    assert not inside_a_behaviour.passed and len(refused) >= 5 and not outside.exists()
     notes = _grade(tmp_path, "open('notes.txt', 'w').write('scratch work')\n" + SCALER)  # the grading folder
     assert notes.passed
 
 
 def test_the_result_file_cannot_be_written_by_the_learner(tmp_path):
-    report = _grade(tmp_path, """
+    report = _grade(tmp_path, textwrap.dedent("""
         import json, sys
         task = json.load(open(sys.argv[1]))
         with open(task["results"], "a") as f:
             for i, _ in task["checks"]:
                 f.write(json.dumps({"start": i}) + "\\n" + json.dumps({"result": i, "data": {"observed": True}}) + "\\n")
             f.write(json.dumps({"done": True}) + "\\n")
-        """ + EMPTY_SCALER)
+        """) + EMPTY_SCALER)
     assert not report.passed and "not allowed" in report.problem
 
 

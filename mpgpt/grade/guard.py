@@ -105,7 +105,7 @@ def own_use_in_source(source: str, graded: ModuleType) -> str | None:
         if any(f == f"mpgpt.kernels.{name}" for f in from_names):
             return f"imports mpgpt.kernels.{name}"
     for name in getattr(graded, "REFERENCE_NAMES", ()):
-        if name in names:
+        if name in names or any(f.rpartition(".")[2] == name for f in from_names):
             return f"uses {name}"
     return None
 
@@ -119,6 +119,9 @@ def own_use_in_module(module: ModuleType, graded: ModuleType) -> str | None:
         return isinstance(name, str) and any(name == m or name.startswith(m + ".") for m in own)
     for key, value in list(vars(module).items()):
         try:
+            if getattr(value, "tripwire", None) or (isinstance(value, type) and any(
+                    getattr(base, "tripwire", None) for base in value.__mro__)):
+                return value.tripwire
             if is_own(value):
                 return f"uses {key}, from the package's own {getattr(value, '__module__', None) or value.__name__}"
             if isinstance(value, type) and any(is_own(base) for base in value.__mro__[1:]):
@@ -230,19 +233,20 @@ def _source_of(module_name: str) -> str | None:
 
 def tripwire(what: str, instead: str):
     """A stand-in for a reference the learner's code must not use: it raises when called or built."""
-    message = f"{what} is {instead}; write your own"
+    message = f"uses {what}, {instead}"
 
     class Tripwire:
         def __init__(self, *args, **kwargs):
-            raise RuntimeError(message)
+            raise OwnImplementation(message)
 
         def __init_subclass__(cls, **kwargs):
-            raise RuntimeError(message)
+            raise OwnImplementation(message)
 
         def __call__(self, *args, **kwargs):
-            raise RuntimeError(message)
+            raise OwnImplementation(message)
 
     Tripwire.__name__ = Tripwire.__qualname__ = what.rpartition(".")[2]
+    Tripwire.tripwire = message
     return Tripwire
 
 
