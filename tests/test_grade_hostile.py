@@ -156,7 +156,7 @@ def test_a_proxy_string_is_refused(tmp_path):
 ])
 def test_the_package_own_implementation_is_reported_not_graded(tmp_path, name, text):
     report = _grade(tmp_path, text, name=name)
-    assert report.own and not report.passed and "nothing of yours to grade" in report.problem
+    assert report.refused and not report.passed and "write your own" in report.problem
 
 
 def test_the_package_own_implementation_imported_by_a_built_name_is_reported(tmp_path):
@@ -167,7 +167,7 @@ def test_the_package_own_implementation_imported_by_a_built_name_is_reported(tmp
         class DynamicLossScaler(own.DynamicLossScaler):
             pass
         """)
-    assert report.own and not report.passed, report.problem
+    assert report.refused and not report.passed, report.problem
 
 
 def test_a_write_outside_the_folder_is_refused_and_inside_allowed(tmp_path):
@@ -213,3 +213,43 @@ def test_a_file_that_closes_stdout_is_still_graded(tmp_path):
 def test_a_file_that_takes_too_much_memory_is_stopped(tmp_path):
     report = _grade(tmp_path, "hog = bytearray(3 * 2**30)\n" + SCALER, memory_mb=2048)
     assert not report.passed and "MemoryError" in report.problem
+
+
+@pytest.mark.parametrize("trick, says", [
+    ("import gc\nfor o in gc.get_objects():\n    pass\n", "gc.get_objects is not allowed"),
+    ("import inspect\nf = inspect.currentframe().f_back\n", "sys._getframe is not allowed"),
+    ("try:\n    raise ValueError\nexcept ValueError as e:\n    f = e.__traceback__.tb_frame.f_back\n", "not allowed"),
+    ("import mpgpt.grade.scaler as s\ns._observe_skips.__code__ = (lambda m, i: None).__code__\n", "not allowed"),
+    ("import sys\nsys.settrace(lambda *a: None)\n", "sys.settrace is not allowed"),
+    ("import subprocess\nsubprocess.run(['true'])\n", "subprocess.Popen is not allowed"),
+    ("import ctypes\nctypes.CDLL(None)\n", "ctypes.dlopen is not allowed"),
+    ("exec(compile('x = 1', '/usr/lib/python3/os.py', 'exec'))\n", "another file's name"),
+    ("import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)\n", "signalling another process"),
+    ("import resource\nresource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY,) * 2)\n", "ValueError"),
+])
+def test_ways_around_the_grader_are_refused(tmp_path, trick, says):
+    report = _grade(tmp_path, trick + SCALER)
+    assert not report.passed and says in report.problem, report.problem
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("ch5-scaler", "import torch\ntorch.equal = lambda *a, **k: True\n" + EMPTY_SCALER, "replaced torch.equal"),
+    ("ch5-scaler", "from torch.overrides import TorchFunctionMode\nTorchFunctionMode().__enter__()\n" + EMPTY_SCALER,
+     "torch function mode"),
+    ("ch5-scaler", "import importlib, torch\nm = importlib.reload(torch.amp.grad_scaler)\n" + EMPTY_SCALER,
+     "the package's own implementation or the reference"),
+    ("ch5-scaler", "import torch\nf = getattr(torch.ops.aten, '_amp_update' + '_scale_')\n" + EMPTY_SCALER,
+     "the reference the grader compares with"),
+    ("ch1-rounding", "import struct\n\ndef round_fp32_bits(bits, fmt):\n    x = struct.unpack('<f', "
+     "struct.pack('<I', bits))[0]\n    return struct.unpack('<H', struct.pack('<' + 'e', x))[0]\n", "'e'"),
+    ("ch1-rounding", "import numpy as np\n\ndef round_fp32_bits(bits, fmt):\n    return int(np.array([bits], "
+     "dtype=np.uint32).view(np.float32).astype(np.float16).view(np.uint16)[0])\n", "float16"),
+])
+def test_patching_torch_or_using_a_library_cast_is_not_graded(tmp_path, name, text, says):
+    report = _grade(tmp_path, text, name=name)
+    assert report.refused and not report.passed and says in report.problem, report.problem
+
+
+def test_output_floods_and_scratch_files_stay_within_limits(tmp_path):
+    flood = _grade(tmp_path, "import sys\nwhile True:\n    sys.stdout.write('x' * 10**6)\n")
+    assert not flood.passed and "File too large" in flood.problem

@@ -77,11 +77,11 @@ def legend(report: Report) -> list[str]:
 
 def print_report(report: Report, show_output: bool = False) -> int:
     """Print the report; the exit status it calls for."""
-    if report.problem and not report.own:
+    if report.problem and not report.refused:
         raise UsageError(report.problem)
     print(f"grading {report.path} as {report.component}, seed {report.seed} "
           f"(--seed N draws other random cases)")
-    if report.own:
+    if report.refused:
         print(f"NOT GRADED  {report.problem}")
         print(f"{report.component}: not graded (0 of {len(component(report.component).checks())} behaviours pass)")
         return 1

@@ -18,6 +18,7 @@ whatever the process prints are not part of the verdict.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -32,10 +33,40 @@ def _limit_memory(megabytes: int) -> None:
         return
     limit = megabytes * 2**20
     kind = resource.RLIMIT_DATA if os.environ.get("MPGPT_GRADE_GPU") == "1" else resource.RLIMIT_AS
-    try:
-        resource.setrlimit(kind, (limit, limit))
-    except (ValueError, OSError):  # lower than what is in use already, or not supported here
-        pass
+    for kind, value in ((kind, limit), (resource.RLIMIT_FSIZE, FILE_LIMIT)):  # no file (nor output) past it
+        try:
+            resource.setrlimit(kind, (value, value))
+        except (ValueError, OSError):  # lower than what is in use already, or not supported here
+            pass
+
+
+FILE_LIMIT = 256 * 2**20
+
+
+def _namespaces(torch) -> dict:
+    """The namespaces whose functions the grader's observations call: their contents, by identity."""
+    import builtins
+    import json as json_module
+
+    spaces = {"torch": torch, "torch.nn": torch.nn, "torch.nn.functional": torch.nn.functional,
+              "torch.optim": torch.optim, "torch.autograd": torch.autograd, "builtins": builtins,
+              "json": json_module, "os": os, "torch.Tensor": torch.Tensor, "torch.nn.Module": torch.nn.Module,
+              "torch.optim.Optimizer": torch.optim.Optimizer, "torch.optim.SGD": torch.optim.SGD}
+    return {name: (space, {k: id(v) for k, v in list(vars(space).items())}) for name, space in spaces.items()}
+
+
+def _tampered(snapshot: dict, torch) -> str | None:
+    """What the learner's code changed that the grader's observations rely on, or None."""
+    for name, (space, ids) in snapshot.items():
+        now = vars(space)
+        for key, ident in ids.items():
+            if key in now and id(now[key]) != ident or key not in now:
+                return f"replaced {name}.{key}"
+    if torch._C._is_torch_function_mode_enabled() and torch.overrides._get_current_function_mode_stack():
+        return "left a torch function mode on"
+    if torch._C._len_torch_dispatch_stack():
+        return "left a torch dispatch mode on"
+    return None
 
 
 def main(task_path: str) -> None:
@@ -61,9 +92,17 @@ def main(task_path: str) -> None:
     own = tuple(getattr(graded, "OWN", ()))
     getattr(graded, "warm_up", lambda: None)()
     guard.disarm(own, tuple(getattr(graded, "REFERENCES", ())))
-    guard.install(os.getcwd(), task["path"], own)
+    snapshot = _namespaces(torch)
+    if sys.path and os.path.realpath(sys.path[0] or ".") == os.path.realpath(os.getcwd()):
+        del sys.path[0]  # the grading folder: a file written there must not shadow a module
+    compilers = None
+    if torch.cuda.is_available() and importlib.util.find_spec("triton"):
+        compilers = os.path.dirname(importlib.util.find_spec("triton").origin)  # compiles kernels on a GPU
+    guard.install(os.getcwd(), task["path"], own,
+                  tuple(filter(None, map(guard.source_of, getattr(graded, "REFERENCE_FILES", ())))), compilers)
     # bound before the learner's code runs (it may reassign the modules' attributes)
     manual_seed, own_use, own_implementation = torch.manual_seed, guard.own_use_in_module, guard.OwnImplementation
+    tampered = _tampered
 
     send(importing=True)
     try:
@@ -74,12 +113,17 @@ def main(task_path: str) -> None:
     except BaseException as exc:  # whatever importing raises (SystemExit, KeyboardInterrupt too)
         send(import_failed=seen_of(exc, task["path"]))
         exit_now(0)
-    send(imported=True, own=own_use(module, graded))
+    send(imported=True, own=own_use(module, graded), tampered=tampered(snapshot, torch))
     for index, inputs in task["checks"]:
         send(start=index)
         random.seed(seed)
         manual_seed(seed)
-        send(result=index, data=observation(checks[index], module, inputs))
+        data = observation(checks[index], module, inputs)
+        changed = tampered(snapshot, torch)
+        if changed:
+            data = {"failed": f"your code {changed} while this behaviour was checked", "hint":
+                    "do not patch torch or Python's built-ins; the grader relies on them"}
+        send(result=index, data=data)
     send(done=True)
     exit_now(0)
 

@@ -63,50 +63,61 @@ class OwnImplementation(ImportError):
     """What the learner's code sees when it imports (or reads) the package's own implementation."""
 
 
-def _module_names(tree: ast.AST) -> tuple[set[str], set[str], set[str]]:
-    """(imported module names, (module + '.' + name) of from-imports, attribute and plain names)."""
-    modules, from_names, names = set(), set(), set()
+def _used_names(tree: ast.AST) -> dict[str, set[str]]:
+    """What a file's syntax names: "modules" it imports, "from" (module.name of from-imports),
+    "attrs" (attribute names and dotted chains like torch.amp.GradScaler), "names" (plain names)
+    and "strings" (short string constants, e.g. a module name built for importlib)."""
+    used = {key: set() for key in ("modules", "from", "attrs", "names", "strings")}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            modules.update(alias.name for alias in node.names)
+            used["modules"].update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
-            modules.add(node.module)
-            from_names.update(f"{node.module}.{alias.name}" for alias in node.names)
+            used["modules"].add(node.module)
+            used["from"].update(f"{node.module}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Attribute):
-            names.add(node.attr)
+            used["attrs"].add(node.attr)
             chain, base = [node.attr], node.value
             while isinstance(base, ast.Attribute):
                 chain.append(base.attr)
                 base = base.value
             if isinstance(base, ast.Name):
-                names.add(".".join([base.id, *reversed(chain)]))
+                used["attrs"].add(".".join([base.id, *reversed(chain)]))
         elif isinstance(node, ast.Name):
-            names.add(node.id)
+            used["names"].add(node.id)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) < 100:
-            names.add(node.value.strip())
-    return modules, from_names, names
+            used["strings"].add(node.value.strip())
+    return used
 
 
 def own_use_in_source(source: str, graded: ModuleType) -> str | None:
     """What of the package's own implementation (or of the reference) the file's text uses, as the
-    end of a sentence ("imports mpgpt.scaling"), or None. ``graded``: the component's module."""
-    tree = ast.parse(source)
-    modules, from_names, names = _module_names(tree)
+    end of a sentence ("imports mpgpt.scaling"), or None. ``graded``: the component's module, with
+    OWN (module names), and optionally OWN_NAMES (names of mpgpt.kernels that lead to OWN),
+    REFERENCE_NAMES (names the file may not use at all) and REFERENCE_ATTRS (names the file may
+    not take from a module: attributes, from-imports, strings)."""
+    used = _used_names(ast.parse(source))
     own = getattr(graded, "OWN", ())
-    for name in sorted(modules | from_names | names):
+    dotted = used["modules"] | used["from"] | used["attrs"] | used["strings"]
+    for name in sorted(dotted):
         if any(name == m or name.startswith(m + ".") for m in own):
             return f"imports {name}"
-    for name in sorted(from_names | names):  # `from mpgpt import scaling`, `mpgpt.kernels.matmul`
+    for name in sorted(dotted):  # `from mpgpt import scaling` as mpgpt.scaling, `kernels.grouped`
         for m in own:
             package, _, last = m.rpartition(".")
-            if name == f"{package}.{last}" or name.endswith(f"{package.rpartition('.')[2]}.{last}"):
+            if name.endswith(f"{package.rpartition('.')[2]}.{last}"):
                 return f"uses {name}"
     for name in getattr(graded, "OWN_NAMES", ()):
-        if any(f == f"mpgpt.kernels.{name}" for f in from_names):
+        if f"mpgpt.kernels.{name}" in used["from"]:
             return f"imports mpgpt.kernels.{name}"
+    last_parts = {n.rpartition(".")[2] for n in used["from"] | used["attrs"]}
     for name in getattr(graded, "REFERENCE_NAMES", ()):
-        if name in names or any(f.rpartition(".")[2] == name for f in from_names):
+        if name in last_parts or name in used["names"] or name in used["strings"]:
             return f"uses {name}"
+    for name in getattr(graded, "REFERENCE_ATTRS", ()):
+        if name in last_parts:
+            return f"uses {name}"
+        if name in used["strings"]:
+            return f"uses the string {name!r}"
     return None
 
 
@@ -141,30 +152,47 @@ def _inside(path, folder: str) -> bool:
     return real == folder or real.startswith(folder + os.sep) or real == os.devnull
 
 
-def install(folder: str, learner_file: str, own_modules: tuple[str, ...]) -> None:
-    """Add the audit hook (see the module docstring). ``folder``: the grading folder."""
+def install(folder: str, learner_file: str, own_modules: tuple[str, ...], reference_files: tuple[str, ...] = (),
+            compilers: str | None = None) -> None:
+    """Add the audit hook (see the module docstring). ``folder``: the grading folder;
+    ``reference_files``: more files the learner's code may not read (the reference's source);
+    ``compilers``: the folder of the one package allowed to start processes and write shared
+    libraries (Triton, which compiles kernels on a GPU), or None."""
     folder = os.path.realpath(folder)
     learner_file = os.path.realpath(learner_file)
-    own_files = set()
-    for name in own_modules:
-        spec_file = _source_of(name)
-        if spec_file:
-            own_files.add(spec_file)
-            own_files.add(os.path.dirname(spec_file) + os.sep + "__pycache__")
+    blocked = set(filter(None, (source_of(name) for name in own_modules)))
+    blocked.update(os.path.realpath(f) for f in reference_files)
+    compiled = {(os.path.dirname(f) + os.sep + "__pycache__", Path(f).stem + ".") for f in blocked}
     own_pid = os.getpid()
     busy = threading.local()
-    wrapper_prefixes = tuple(os.path.join(os.path.dirname(os.__file__), w) for w in _WRAPPERS)
+    stdlib = os.path.dirname(os.__file__)
+    wrappers = tuple(os.path.join(stdlib, w) for w in _WRAPPERS)
+    inspectors = tuple(os.path.join(stdlib, w) for w in ("inspect", "traceback"))
+    compilers = os.path.realpath(compilers) + os.sep if compilers else None
 
-    def learner_asks(skip_wrappers: bool) -> bool:
-        """Whether the request comes from the learner's file (or from code it compiled itself)."""
+    def is_learner(filename: str) -> bool:
+        """Code of the learner's file, code it compiled itself, or code it wrote into the folder."""
+        return (filename == learner_file or filename.startswith(folder + os.sep)
+                or (filename.startswith("<") and not filename.startswith("<frozen")))
+
+    def requester(skip: tuple[str, ...]) -> str:
+        """The file of the code that made the request, past the library functions that only pass
+        a request on (``skip``)."""
         frame = sys._getframe(3)  # 0 here, 1 _check, 2 hook, 3 the code that made the request
         while frame is not None:
             name = frame.f_code.co_filename
-            if skip_wrappers and (name.startswith(wrapper_prefixes) or name.startswith("<frozen")):
-                frame = frame.f_back
-                continue
-            return name == learner_file or (name.startswith("<") and not name.startswith("<frozen"))
-        return False
+            if not (name.startswith(skip) or name.startswith("<frozen")):
+                return name
+            frame = frame.f_back
+        return ""
+
+    def compiler_asks() -> bool:
+        return compilers is not None and requester(wrappers).startswith(compilers)
+
+    def reads_reference(path) -> bool:
+        real = os.path.realpath(os.fsdecode(path))
+        folder_name, name = os.path.split(real)
+        return real in blocked or any(folder_name == d and name.startswith(stem) for d, stem in compiled)
 
     def hook(event: str, args: tuple) -> None:
         if getattr(busy, "on", False):
@@ -178,20 +206,26 @@ def install(folder: str, learner_file: str, own_modules: tuple[str, ...]) -> Non
     def _check(event: str, args: tuple) -> None:
         if event == "open":
             path, mode, flags = args
+            if path is None or isinstance(path, int):
+                return
             writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
                 isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND))
-            if writes and path is not None and not _inside(path, folder):
+            if writes and not _inside(path, folder):
                 raise Refused(f"writing {os.fsdecode(path)} is not allowed while grading: write only inside the "
                               "current folder")
-            if path is not None and not isinstance(path, int):
-                real = os.path.realpath(os.fsdecode(path))
-                if real in own_files or os.path.dirname(real) in own_files:
-                    raise OwnImplementation(f"reads {real}, the package's own implementation")
+            if writes and os.fsdecode(path).endswith((".so", ".pyd", ".dylib")) and not compiler_asks():
+                raise Refused("writing a shared library is not allowed while grading")
+            if reads_reference(path):
+                raise OwnImplementation(f"reads {os.path.realpath(os.fsdecode(path))}, the package's own "
+                                        "implementation or the reference")
         elif event in _PATH_EVENTS:
             for i in _PATH_EVENTS[event]:
                 if i < len(args) and args[i] is not None and not _inside(args[i], folder):
                     raise Refused(f"{event} on {os.fsdecode(args[i])} is not allowed while grading: only inside "
                                   "the current folder")
+            if event in ("os.rename", "os.link", "os.symlink") and not compiler_asks() and any(
+                    isinstance(a, (str, bytes)) and os.fsdecode(a).endswith((".so", ".pyd", ".dylib")) for a in args[:2]):
+                raise Refused("making a shared library is not allowed while grading")
         elif event == "os.chdir":
             if not _inside(args[0], folder):
                 raise Refused("changing to another folder is not allowed while grading")
@@ -199,16 +233,26 @@ def install(folder: str, learner_file: str, own_modules: tuple[str, ...]) -> Non
             name = args[0]
             if any(name == m or name.startswith(m + ".") for m in own_modules):
                 raise OwnImplementation(f"imports {name}, the package's own implementation")
-        elif event in ("os.kill", "os.killpg", "signal.pthread_kill"):
-            if event != "signal.pthread_kill" and args[0] not in (own_pid, 0):
+        elif event in ("os.kill", "os.killpg"):
+            if args[0] not in (own_pid, 0):
                 raise Refused("signalling another process is not allowed while grading")
         elif event.startswith(_PROCESS_EVENTS):
-            if learner_asks(skip_wrappers=True):
+            if not compiler_asks():
                 raise Refused(f"{event} is not allowed while grading: your code must run in this process")
-        elif event in _INTROSPECTION_EVENTS or event.startswith("ctypes."):
-            if event.startswith("object.__") and not _guarded_target(args[0]):
+        elif event == "compile":
+            filename = args[1] if len(args) > 1 else None
+            if isinstance(filename, bytes):
+                filename = os.fsdecode(filename)
+            if isinstance(filename, str) and not is_learner(os.path.realpath(filename) if not filename.startswith("<")
+                                                            else filename) and is_learner(requester(())):
+                raise Refused("compiling code under another file's name is not allowed while grading")
+        elif event.startswith("ctypes."):
+            if is_learner(requester(wrappers)):
+                raise Refused(f"{event} is not allowed while grading")
+        elif event in _INTROSPECTION_EVENTS or event == "object.__getattr__":
+            if event in ("object.__setattr__", "object.__delattr__") and not _guarded_target(args[0]):
                 return
-            if learner_asks(skip_wrappers=event.startswith("ctypes.")):
+            if is_learner(requester(inspectors)):
                 raise Refused(f"{event} is not allowed while grading")
 
     sys.addaudithook(hook)
@@ -221,7 +265,7 @@ def _guarded_target(obj) -> bool:
     return isinstance(module, str) and (module.split(".")[0] in ("mpgpt", "torch", "builtins", "triton"))
 
 
-def _source_of(module_name: str) -> str | None:
+def source_of(module_name: str) -> str | None:
     import importlib.util
 
     try:
@@ -250,6 +294,15 @@ def tripwire(what: str, instead: str):
     return Tripwire
 
 
+def _resolve(dotted: str):
+    """(object holding the last attribute, its name) for a dotted path from a loaded module, or None."""
+    parts = dotted.split(".")
+    obj = sys.modules.get(parts[0])
+    for part in parts[1:-1]:
+        obj = getattr(obj, part, None)
+    return (obj, parts[-1]) if obj is not None and hasattr(obj, parts[-1]) else None
+
+
 def disarm(own_modules: tuple[str, ...], references: tuple[str, ...]) -> None:
     """In the child only: replace the functions and classes of the package's own implementation
     that are loaded already (and every package attribute that points at them), and the references
@@ -264,7 +317,6 @@ def disarm(own_modules: tuple[str, ...], references: tuple[str, ...]) -> None:
             if not key.startswith("__") and (callable(value) or isinstance(value, type)) and own(value):
                 setattr(module, key, tripwire(f"{value.__module__}.{key}", "the package's own implementation"))
     for dotted in references:
-        parent_name, _, attr = dotted.rpartition(".")
-        parent = sys.modules.get(parent_name)
-        if parent is not None and hasattr(parent, attr):
-            setattr(parent, attr, tripwire(dotted, "the reference the grader compares with"))
+        found = _resolve(dotted)
+        if found:
+            setattr(found[0], found[1], tripwire(dotted, "the reference the grader compares with"))

@@ -19,6 +19,9 @@ from .core import Case, Check, Failed, exact
 
 NAME = "ch1-rounding"
 OWN = ("mpgpt.formats",)
+# A library's cast to a 16-bit format would be graded instead of the learner's rounding: torch's and
+# numpy's dtypes and casts, and struct's half-precision format "e".
+REFERENCE_ATTRS = ("float16", "bfloat16", "half", "e", "<e", ">e", "=e", "!e", "@e")
 LEGEND = ""
 FORMATS = ("fp16", "bf16")
 

@@ -46,7 +46,7 @@ class Report:
     seed: int
     outcomes: list[Outcome] = field(default_factory=list)
     problem: str | None = None  # set when the file was not graded: why, in one line
-    own: bool = False  # the problem is that the file uses the package's own implementation
+    refused: bool = False  # not graded: the file uses the package's own implementation, or patched torch
     output: str = ""  # what the learner's file printed (not part of the grade)
 
     @property
@@ -111,6 +111,7 @@ class _Run:
     imported: bool = False
     import_failed: str | None = None
     own: str | None = None
+    tampered: str | None = None
     started: list[int] = field(default_factory=list)
     results: dict[int, object] = field(default_factory=dict)
     done: bool = False
@@ -130,8 +131,9 @@ class _Run:
             return True
         if message.get("imported") is True and not self.imported:
             self.imported = True
-            own = message.get("own")
+            own, tampered = message.get("own"), message.get("tampered")
             self.own = own if type(own) is str else None
+            self.tampered = tampered if type(tampered) is str else None
             return True
         if type(message.get("import_failed")) is str and not self.imported:
             self.import_failed = message["import_failed"]
@@ -212,9 +214,9 @@ def grade_file(name: str, path: str | Path, *, seed: int = 0, seconds: float = 6
         report.problem = f"{path} is not Python source ({exc}); pass your .py file"
         return report
     if own:
-        report.problem, report.own = (f"{path} {own}: that is the package's own implementation of {name} (or the "
-                                      "reference it is checked against), so there is nothing of yours to grade; "
-                                      "write your own"), True
+        report.problem, report.refused = (f"{path} {own}: that is the package's own implementation of {name}, or "
+                                          "library code that does what it should do, so your own code would not be "
+                                          "graded; write your own"), True
         return report
 
     checks = graded.checks()
@@ -249,8 +251,12 @@ def grade_file(name: str, path: str | Path, *, seed: int = 0, seconds: float = 6
                                       "from the file's top level")
                 break
             if run.own:
-                report.problem, report.own = (f"{path} {run.own}: there is nothing of yours to grade; write "
-                                              "your own"), True
+                report.problem, report.refused = (f"{path} {run.own}: there is nothing of yours to grade; write "
+                                                  "your own"), True
+                break
+            if run.tampered:
+                report.problem, report.refused = (f"{path} {run.tampered} when it was imported; the grader relies on "
+                                                  "torch and Python's built-ins as they are: do not patch them"), True
                 break
             for i in remaining:
                 if i in run.results:

@@ -79,9 +79,13 @@ class DynamicLossScaler:
 
 OWN = ("mpgpt.scaling",)
 # torch's scaler is what the checks compare with: a file that uses it is not graded either.
-REFERENCE_NAMES = ("GradScaler",)
+# So are the two kernels it is built on (the scale update is the behaviour graded here).
+REFERENCE_NAMES = ("GradScaler", "_amp_update_scale_", "_amp_foreach_non_finite_check_and_unscale_")
 REFERENCES = ("torch.amp.GradScaler", "torch.amp.grad_scaler.GradScaler", "torch.cuda.amp.GradScaler",
-              "torch.cuda.amp.grad_scaler.GradScaler", "torch.cpu.amp.GradScaler", "torch.GradScaler")
+              "torch.cuda.amp.grad_scaler.GradScaler", "torch.cpu.amp.GradScaler", "torch.GradScaler",
+              "torch._amp_update_scale_", "torch._amp_foreach_non_finite_check_and_unscale_",
+              "torch.ops.aten._amp_update_scale_", "torch.ops.aten._amp_foreach_non_finite_check_and_unscale_")
+REFERENCE_FILES = ("torch.amp.grad_scaler", "torch.cuda.amp.grad_scaler", "torch.cpu.amp.grad_scaler")
 LEGEND = ("Flags in a failure line: one letter per iteration, '.' clean, 'x' an inf in a gradient, "
           "'n' a NaN in a gradient; the last letter is the iteration where your scaler went wrong.")
 
