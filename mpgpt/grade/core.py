@@ -144,7 +144,8 @@ def seen_of(exc: BaseException, learner_file: str | None) -> str:
     if isinstance(exc, NotImplementedError):
         return "not implemented yet (NotImplementedError)"
     where = ""
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+    frames = traceback.StackSummary.extract(traceback.walk_tb(exc.__traceback__), lookup_lines=False)
+    for frame in reversed(frames):
         if learner_file and frame.filename == learner_file:
             where = f" (line {frame.lineno} of {Path(learner_file).name})"
             break

@@ -175,10 +175,12 @@ def install(folder: str, learner_file: str, own_modules: tuple[str, ...], refere
         return (filename == learner_file or filename.startswith(folder + os.sep)
                 or (filename.startswith("<") and not filename.startswith("<frozen")))
 
-    def requester(skip: tuple[str, ...]) -> str:
+    def requester(skip: tuple[str, ...] | None) -> str:
         """The file of the code that made the request, past the library functions that only pass
-        a request on (``skip``)."""
+        a request on (``skip``, and the import system's frozen modules); None: the direct caller."""
         frame = sys._getframe(3)  # 0 here, 1 _check, 2 hook, 3 the code that made the request
+        if skip is None:
+            return frame.f_code.co_filename if frame is not None else ""
         while frame is not None:
             name = frame.f_code.co_filename
             if not (name.startswith(skip) or name.startswith("<frozen")):
@@ -244,7 +246,7 @@ def install(folder: str, learner_file: str, own_modules: tuple[str, ...], refere
             if isinstance(filename, bytes):
                 filename = os.fsdecode(filename)
             if isinstance(filename, str) and not is_learner(os.path.realpath(filename) if not filename.startswith("<")
-                                                            else filename) and is_learner(requester(())):
+                                                            else filename) and is_learner(requester(None)):
                 raise Refused("compiling code under another file's name is not allowed while grading")
         elif event.startswith("ctypes."):
             if is_learner(requester(wrappers)):
