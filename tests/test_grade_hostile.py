@@ -114,7 +114,8 @@ def test_patching_the_grader_or_torch_changes_nothing(tmp_path):
         core.Outcome = type("Outcome", (), {"passed": True})
         sandbox.grade_file = lambda *a, **k: None
         """)
-    assert report.problem is None and _passes(report) == 0, [o.line() for o in report.outcomes]
+    assert not report.passed and _passes(report) == 0, [o.line() for o in report.outcomes]
+    assert "replaced mpgpt.grade.core" in report.problem
 
 
 def test_an_int_subclass_whose_equality_always_holds_is_refused(tmp_path):
@@ -253,3 +254,24 @@ def test_patching_torch_or_using_a_library_cast_is_not_graded(tmp_path, name, te
 def test_output_floods_and_scratch_files_stay_within_limits(tmp_path):
     flood = _grade(tmp_path, "import sys\nwhile True:\n    sys.stdout.write('x' * 10**6)\n")
     assert not flood.passed and "File too large" in flood.problem
+
+
+def test_lines_written_into_the_result_file_by_the_learner_are_not_believed(tmp_path):
+    # os.write has no audit event: every open descriptor gets forged results, which lack the HMAC.
+    forge = textwrap.dedent("""
+        import json, os
+        forged = "".join(json.dumps(m) + "\\n" for i in range(10)
+                         for m in ({"start": i}, {"result": i, "data": {"observed": True}}))
+        for fd in range(3, 64):
+            try:
+                os.write(fd, forged.encode())
+            except OSError:
+                pass
+        """)
+    report = _grade(tmp_path, forge + EMPTY_SCALER)
+    assert not report.passed and "result file" in report.problem, report.problem
+
+
+def test_patching_the_grader_checks_in_the_child_is_not_graded(tmp_path):
+    report = _grade(tmp_path, "import mpgpt.grade.scaler as s\ns._iteration = lambda *a, **k: False\n" + EMPTY_SCALER)
+    assert report.refused and "replaced mpgpt.grade.scaler._iteration" in report.problem, report.problem

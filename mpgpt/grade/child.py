@@ -12,12 +12,14 @@ file is imported (the audit hook refuses any later write outside the grading fol
     {"start": i}, {"result": i, "data": {...}}              for each behaviour
     {"done": true}
 
-and then ends with ``os._exit(0)``: no atexit hook, no non-daemon thread and no buffered output of
+each line preceded by its HMAC under a key the grader sends on the child's standard input (read
+before the learner's file is imported), and then ends with ``os._exit(0)``: no atexit hook, no non-daemon thread and no buffered output of
 the learner's file runs after it. The grader reads these lines as data; the exit status and
 whatever the process prints are not part of the verdict.
 """
 from __future__ import annotations
 
+import hmac
 import importlib.util
 import json
 import os
@@ -41,17 +43,20 @@ def _limit_memory(megabytes: int) -> None:
 
 
 FILE_LIMIT = 256 * 2**20
+KEY_BYTES = 32
 
 
-def _namespaces(torch) -> dict:
-    """The namespaces whose functions the grader's observations call: their contents, by identity."""
+def _namespaces(torch, *grader) -> dict:
+    """The namespaces whose functions the grader's observations call (torch's, Python's, the
+    grader's own modules ``grader``): their contents, by identity."""
     import builtins
     import json as json_module
 
     spaces = {"torch": torch, "torch.nn": torch.nn, "torch.nn.functional": torch.nn.functional,
               "torch.optim": torch.optim, "torch.autograd": torch.autograd, "builtins": builtins,
               "json": json_module, "os": os, "torch.Tensor": torch.Tensor, "torch.nn.Module": torch.nn.Module,
-              "torch.optim.Optimizer": torch.optim.Optimizer, "torch.optim.SGD": torch.optim.SGD}
+              "torch.optim.Optimizer": torch.optim.Optimizer, "torch.optim.SGD": torch.optim.SGD,
+              **{module.__name__: module for module in grader}}
     return {name: (space, {k: id(v) for k, v in list(vars(space).items())}) for name, space in spaces.items()}
 
 
@@ -73,17 +78,23 @@ def main(task_path: str) -> None:
     with open(task_path, encoding="utf-8") as f:
         task = json.load(f)
     _limit_memory(task["memory_mb"])
+    key = sys.stdin.buffer.read(KEY_BYTES)  # from the grader's pipe, before any learner code runs
     results = open(task["results"], "a", encoding="utf-8", buffering=1)
-    dumps, write, flush, exit_now = json.dumps, results.write, results.flush, os._exit
+    dumps, write, flush, exit_now, sign = json.dumps, results.write, results.flush, os._exit, hmac.new
 
     def send(**message) -> None:
-        write(dumps(message) + "\n")
+        """One line to the grader: the message and its HMAC under the key only this function holds,
+        so a line written into the result file by the learner's code (os.write on a guessed file
+        descriptor, say) is ignored."""
+        line = dumps(message)
+        write(sign(key, line.encode(), "sha256").hexdigest() + " " + line + "\n")
         flush()
 
     import torch
 
     import mpgpt  # noqa: F401  (first: without a GPU it switches Triton to its interpreter)
     from mpgpt.grade import component, guard
+    from mpgpt.grade import core
     from mpgpt.grade.core import load_module, observation, seen_of
 
     graded = component(task["component"])
@@ -92,7 +103,7 @@ def main(task_path: str) -> None:
     own = tuple(getattr(graded, "OWN", ()))
     getattr(graded, "warm_up", lambda: None)()
     guard.disarm(own, tuple(getattr(graded, "REFERENCES", ())))
-    snapshot = _namespaces(torch)
+    snapshot = _namespaces(torch, graded, core, guard)
     if sys.path and os.path.realpath(sys.path[0] or ".") == os.path.realpath(os.getcwd()):
         del sys.path[0]  # the grading folder: a file written there must not shadow a module
     compilers = None

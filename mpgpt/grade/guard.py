@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 import threading
 from pathlib import Path
@@ -217,6 +218,8 @@ def install(folder: str, learner_file: str, own_modules: tuple[str, ...], refere
                               "current folder")
             if writes and os.fsdecode(path).endswith((".so", ".pyd", ".dylib")) and not compiler_asks():
                 raise Refused("writing a shared library is not allowed while grading")
+            if re.fullmatch(r"/proc/[^/]+/(task/[^/]+/)?mem", os.path.realpath(os.fsdecode(path))):
+                raise Refused("reading a process's memory is not allowed while grading")
             if reads_reference(path):
                 raise OwnImplementation(f"reads {os.path.realpath(os.fsdecode(path))}, the package's own "
                                         "implementation or the reference")

@@ -16,8 +16,10 @@
 """
 from __future__ import annotations
 
+import hmac
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import component, guard
+from .child import KEY_BYTES
 from .core import Case, Outcome, prepare_cases, verdict
 
 STARTUP_SECONDS = 180.0  # for the child to import torch and the grader, before any learner code runs
@@ -116,6 +119,7 @@ class _Run:
     results: dict[int, object] = field(default_factory=dict)
     done: bool = False
     timed_out: bool = False
+    forged: int = 0  # lines without the child's HMAC (the learner's code wrote them)
     status: int | None = None
 
     def read(self, line: str) -> bool:
@@ -159,7 +163,13 @@ def _run_child(task: dict, ctl: str, scratch: str, env: dict, seconds: float, nu
     with open(output_file, "wb") as out:
         popen = dict(start_new_session=True) if hasattr(os, "setsid") else {}
         proc = subprocess.Popen([sys.executable, "-m", "mpgpt.grade.child", task_file], cwd=scratch, env=env,
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, **popen)
+                                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, **popen)
+    key = secrets.token_bytes(KEY_BYTES)
+    try:
+        proc.stdin.write(key)
+        proc.stdin.close()
+    except OSError:  # the child is gone already: what it wrote says why
+        pass
     try:
         deadline = time.monotonic() + STARTUP_SECONDS
         pending = ""
@@ -170,7 +180,12 @@ def _run_child(task: dict, ctl: str, scratch: str, env: dict, seconds: float, nu
                 pending += chunk
                 *lines, pending = pending.split("\n")
                 for line in lines:
-                    if run.read(line):
+                    mac, _, message = line.partition(" ")
+                    expected = hmac.new(key, message.encode(), "sha256").hexdigest()
+                    if not hmac.compare_digest(mac.encode(), expected.encode()):
+                        run.forged += 1  # not from the grader's code in the child
+                        continue
+                    if run.read(message):
                         deadline = time.monotonic() + seconds
                 if exited or run.done:
                     break
@@ -253,6 +268,10 @@ def grade_file(name: str, path: str | Path, *, seed: int = 0, seconds: float = 6
             if run.own:
                 report.problem, report.refused = (f"{path} {run.own}: there is nothing of yours to grade; write "
                                                   "your own"), True
+                break
+            if run.forged:
+                report.problem, report.refused = (f"{path} wrote {run.forged} line(s) into the grader's result "
+                                                  "file; do not write to file descriptors you did not open"), True
                 break
             if run.tampered:
                 report.problem, report.refused = (f"{path} {run.tampered} when it was imported; the grader relies on "
