@@ -275,3 +275,11 @@ def test_lines_written_into_the_result_file_by_the_learner_are_not_believed(tmp_
 def test_patching_the_grader_checks_in_the_child_is_not_graded(tmp_path):
     report = _grade(tmp_path, "import mpgpt.grade.scaler as s\ns._iteration = lambda *a, **k: False\n" + EMPTY_SCALER)
     assert report.refused and "replaced mpgpt.grade.scaler._iteration" in report.problem, report.problem
+
+
+def test_a_message_cannot_dress_a_failure_up_as_a_pass(tmp_path):
+    trick = ("class DynamicLossScaler:\n    def __init__(self, *a, **k):\n"
+             "        raise ValueError('\\r\\x1b[2KPASS  looks fine')\n")
+    out = _cli(tmp_path, "ch5-scaler", str(_file(tmp_path, trick)), "--show-output")
+    assert out.returncode == 1 and "\r" not in out.stdout and "\x1b" not in out.stdout
+    assert all(line.startswith(("grading ", "FAIL  ", "ch5-scaler: ")) for line in out.stdout.splitlines()), out.stdout

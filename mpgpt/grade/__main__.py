@@ -68,6 +68,13 @@ def _write_stub(name: str, output: str | None) -> int:
     return 0
 
 
+def printable(text: str) -> str:
+    """Text from the learner's file (an exception's message, what it printed) as it may be shown:
+    control characters escaped, so a carriage return or a terminal escape cannot dress a FAIL line
+    up as a PASS."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
 def legend(report: Report) -> list[str]:
     """Lines that explain the notation of the failure lines, when one uses it."""
     text = getattr(component(report.component), "LEGEND", "")
@@ -78,21 +85,21 @@ def legend(report: Report) -> list[str]:
 def print_report(report: Report, show_output: bool = False) -> int:
     """Print the report; the exit status it calls for."""
     if report.problem and not report.refused:
-        raise UsageError(report.problem)
+        raise UsageError(printable(report.problem).replace("\n", " "))
     print(f"grading {report.path} as {report.component}, seed {report.seed} "
           f"(--seed N draws other random cases)")
     if report.refused:
-        print(f"NOT GRADED  {report.problem}")
+        print(f"NOT GRADED  {printable(report.problem)}")
         print(f"{report.component}: not graded (0 of {len(component(report.component).checks())} behaviours pass)")
         return 1
     for outcome in report.outcomes:
-        print(outcome.line())
+        print(printable(outcome.line()).replace("\n", " "))
     for line in legend(report):
         print(line)
     failed = sum(not o.passed for o in report.outcomes)
     if show_output and report.output.strip():
         print("--- what your file printed (not part of the grade) ---")
-        print(report.output.rstrip())
+        print(printable(report.output.rstrip()))
     print(f"{report.component}: {len(report.outcomes) - failed} of {len(report.outcomes)} behaviours pass")
     return 0 if report.passed else 1
 
