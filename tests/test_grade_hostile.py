@@ -190,7 +190,8 @@ def test_the_result_file_cannot_be_written_by_the_learner(tmp_path):
         task = json.load(open(sys.argv[1]))
         with open(task["results"], "a") as f:
             for i, _ in task["checks"]:
-                f.write(json.dumps({"start": i}) + "\\n" + json.dumps({"result": i, "data": {"observed": True}}) + "\\n")
+                f.write(json.dumps({"start": i}) + "\\n")
+                f.write(json.dumps({"result": i, "data": {"observed": True}}) + "\\n")
             f.write(json.dumps({"done": True}) + "\\n")
         """) + EMPTY_SCALER)
     assert not report.passed and "not allowed" in report.problem

@@ -8,14 +8,14 @@ its index and its inputs (never the expected results: those stay in the grader's
 The child writes one JSON line per event to the result file, which it opens before the learner's
 file is imported (the audit hook refuses any later write outside the grading folder):
 
-    {"importing": true}, {"imported": true, "own": null}   or   {"import_failed": "..."}
+    {"importing": true}, {"imported": true, "own": null, "tampered": null}   or   {"import_failed": "..."}
     {"start": i}, {"result": i, "data": {...}}              for each behaviour
     {"done": true}
 
 each line preceded by its HMAC under a key the grader sends on the child's standard input (read
-before the learner's file is imported), and then ends with ``os._exit(0)``: no atexit hook, no non-daemon thread and no buffered output of
-the learner's file runs after it. The grader reads these lines as data; the exit status and
-whatever the process prints are not part of the verdict.
+before the learner's file is imported), and then ends with ``os._exit(0)``: no atexit hook, no
+non-daemon thread and no buffered output of the learner's file runs after it. The grader reads
+these lines as data; the exit status and whatever the process prints are not part of the verdict.
 """
 from __future__ import annotations
 

@@ -32,7 +32,6 @@ child process with limits (:mod:`mpgpt.grade.sandbox`).
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
 import random
 import sys

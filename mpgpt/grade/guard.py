@@ -228,8 +228,9 @@ def install(folder: str, learner_file: str, own_modules: tuple[str, ...], refere
                 if i < len(args) and args[i] is not None and not _inside(args[i], folder):
                     raise Refused(f"{event} on {os.fsdecode(args[i])} is not allowed while grading: only inside "
                                   "the current folder")
-            if event in ("os.rename", "os.link", "os.symlink") and not compiler_asks() and any(
-                    isinstance(a, (str, bytes)) and os.fsdecode(a).endswith((".so", ".pyd", ".dylib")) for a in args[:2]):
+            libraries = [a for a in args[:2] if isinstance(a, (str, bytes))
+                         and os.fsdecode(a).endswith((".so", ".pyd", ".dylib"))]
+            if event in ("os.rename", "os.link", "os.symlink") and libraries and not compiler_asks():
                 raise Refused("making a shared library is not allowed while grading")
         elif event == "os.chdir":
             if not _inside(args[0], folder):

@@ -289,7 +289,8 @@ def _judge_true_update(case: Case, observed) -> None:
         ratio = (delta / g).mean().item()
         if not torch.allclose(delta, g, rtol=1e-5, atol=0):
             if abs(ratio - 1024.0) < 1:
-                hint = "divide every gradient by S before optimizer.step() (step() unscales when unscale_() was not called)"
+                hint = ("divide every gradient by S before optimizer.step() (step() unscales when unscale_() "
+                        "was not called)")
             elif abs(ratio * 1024.0 - 1) < 1e-3:
                 hint = ("the gradients were divided by S twice: remember that this iteration is already unscaled, "
                         "let step() skip its own unscale, and clear that in update()")
