@@ -6,14 +6,19 @@ models with a planted overflow and know which module must be named.
 """
 from __future__ import annotations
 
+import random
+from typing import Callable
+
 import torch
 from torch import nn
 
 from mpgpt.model import GPT, GPTConfig
 
-from .core import Check, expect
+from .core import Case, Check, Failed, exact, expect
 
 NAME = "lab-nans-hooks"
+OWN = ("mpgpt.labs.nonfinite",)
+LEGEND = ""
 
 STUB = '''"""The NaN lab, graded: name the first module whose output holds an inf or a NaN.
 
@@ -104,45 +109,72 @@ def _hooks_left(model: nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
-def _expect_name(got, want, what: str) -> None:
-    expect(got == want, f"{what}: returned {got!r}, expected {want!r}")
+def _name(module, model, run) -> str | None:
+    return exact(module.first_nonfinite_module(model, run), str, type(None), what="first_nonfinite_module")
 
 
-def _check_finite(module) -> None:
+def _expecting(name: str | None, what: str) -> Callable[[random.Random], Case]:
+    """prepare(): the name the planted model must give (known without running anything)."""
+    return lambda rng: Case({"what": what}, name)
+
+
+HINTS = {
+    "none": "return None when no hook saw an inf or a NaN (and the name of the first module that did)",
+    "missed": "a hook must test every floating-point tensor of the output with torch.isfinite "
+              "(inf and NaN alike: torch.isnan misses inf, torch.isinf misses NaN)",
+    "order": "record the name inside the hook as the pass runs and keep the first; do not scan "
+             "named_modules() afterwards (its order is the definition's, not the pass's)",
+    "parent": "a forward hook on every module fires child first: keep the first report, not the last",
+    "names": "use the names of model.named_modules() (\"inner.1\", \"\" for the model itself)",
+}
+
+
+def _judge_name(case: Case, got) -> None:
+    want, what = case.expected, case.inputs["what"]
+    if got == want:
+        return
+    if want is None:
+        hint = HINTS["none"]
+    elif got is None:
+        hint = HINTS["missed"]
+    elif isinstance(got, str) and want.startswith(got):  # a parent of the right module
+        hint = HINTS["parent"]
+    else:
+        hint = None
+    raise Failed(f"{what}: returned {got!r}, expected {want!r}", hint)
+
+
+def _observe_finite(module, inputs):
     model = _Chain(2.0)
-    _expect_name(module.first_nonfinite_module(model, lambda: model(_x())), None, "an all-finite model")
+    return _name(module, model, lambda: model(_x()))
 
 
-def _check_inf(module) -> None:
+def _observe_inf(module, inputs):
     model = _Chain(1e38)  # lin's output times 1e38: some |value| passes fp32's 3.4e38 -> inf
     with torch.no_grad():
         model.inner[0].weight.fill_(1.0)
-    _expect_name(module.first_nonfinite_module(model, lambda: model(_x() * 10)), "inner.1",
-                 "Linear -> x1e38 (overflows to inf) -> Tanh -> Linear")
+    return _name(module, model, lambda: model(_x() * 10))
 
 
-def _check_nan(module) -> None:
+def _observe_nan(module, inputs):
     model = _Chain(float("nan"))
-    _expect_name(module.first_nonfinite_module(model, lambda: model(_x())), "inner.1", "a module that outputs NaN")
+    return _name(module, model, lambda: model(_x()))
 
 
-def _check_order(module) -> None:
+def _observe_order(module, inputs):
     model = _Reordered()
-    _expect_name(module.first_nonfinite_module(model, lambda: model(_x())), "a",
-                 "modules defined b, a but run a, b")
+    return _name(module, model, lambda: model(_x()))
 
 
-def _check_nested_outputs(module) -> None:
+def _observe_nested_outputs(module, inputs):
     model = _TupleOut()
-    _expect_name(module.first_nonfinite_module(model, lambda: model(_x())), "pair",
-                 "a module returning (tensor, {'aux': tensor with an inf, 'note': str})")
+    return _name(module, model, lambda: model(_x()))
 
 
-def _check_hooks_removed(module) -> None:
+def _observe_hooks_removed(module, inputs) -> list[int]:
     model = _Chain(float("nan"))
     module.first_nonfinite_module(model, lambda: model(_x()))
-    left = _hooks_left(model)
-    expect(left == 0, f"{left} hooks left on the model after a normal run")
+    after_normal = _hooks_left(model)
 
     def failing():
         model(_x())
@@ -151,21 +183,33 @@ def _check_hooks_removed(module) -> None:
         module.first_nonfinite_module(model, failing)
     except ValueError:
         pass
-    left = _hooks_left(model)
-    expect(left == 0, f"{left} hooks left on the model after run() raised (remove them in a finally:)")
+    return [after_normal, _hooks_left(model) - after_normal]
 
 
-def _check_outputs_unchanged(module) -> None:
+def _judge_hooks_removed(case: Case, left) -> None:
+    normal, raised = left
+    expect(normal == 0, f"{normal} hooks left on the model after a normal run")
+    expect(raised == 0, f"{raised} hooks left on the model after run() raised",
+           "remove the hooks in a finally: block, so they go also when run() raises")
+
+
+def _observe_outputs_unchanged(module, inputs) -> list:
     model = _Chain(3.0)
     x = _x()
     want = model(x)
     seen = []
     module.first_nonfinite_module(model, lambda: seen.append(model(x)))
-    expect(len(seen) == 1, f"run() was called {len(seen)} times; call it once")
-    expect(torch.equal(seen[0], want), "the model's output changed while the hooks were on")
+    return [len(seen), len(seen) == 1 and type(seen[0]) is torch.Tensor and torch.equal(seen[0], want)]
 
 
-def _check_gpt(module) -> None:
+def _judge_outputs_unchanged(case: Case, observed) -> None:
+    calls, same = observed
+    expect(calls == 1, f"run() was called {calls} times; call it once", "call run() exactly once")
+    expect(same is True, "the model's output changed while the hooks were on",
+           "a forward hook must return None: a hook that returns a value replaces the module's output")
+
+
+def _observe_gpt(module, inputs):
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("tiny", vocab_size=32, n_embd=32, n_layer=2, block_size=16))
     with torch.no_grad():
@@ -175,25 +219,42 @@ def _check_gpt(module) -> None:
     def run():
         with torch.autocast("cpu", dtype=torch.float16):
             return model(x, x)
-    _expect_name(module.first_nonfinite_module(model, run), "transformer.h.1.mlp.c_fc",
-                 "the course GPT in fp16 with an oversized c_fc weight in block 1")
+    return _name(module, model, run)
+
+
+def warm_up() -> None:
+    """Run once in the child before the learner's file is imported (torch loads code lazily on a
+    first forward pass under autocast): it must not count against the first behaviour's time."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=32, n_embd=32, n_layer=2, block_size=16))
+    handles = [m.register_forward_hook(lambda *args: None) for m in model.modules()]
+    x = torch.randint(0, 32, (2, 16))
+    with torch.autocast("cpu", dtype=torch.float16):
+        model(x, x)
+    for h in handles:
+        h.remove()
 
 
 def checks() -> list[Check]:
     return [
-        Check("None when every output is finite", "return None when no hook saw an inf or a NaN", _check_finite),
+        Check("None when every output is finite", HINTS["none"], _observe_finite, _judge_name,
+              _expecting(None, "an all-finite model")),
         Check("names the module whose output overflows to inf", "check outputs with torch.isfinite "
-              "(inf and NaN), and keep only the first report", _check_inf),
+              "(inf and NaN), and keep only the first report", _observe_inf, _judge_name,
+              _expecting("inner.1", "Linear -> x1e38 (overflows to inf) -> Tanh -> Linear")),
         Check("NaN counts too", "torch.isnan alone misses inf and torch.isinf misses NaN: use torch.isfinite",
-              _check_nan),
-        Check("the first module in the order of the pass", "record names inside the hook as the pass runs; "
-              "do not scan named_modules() afterwards", _check_order),
+              _observe_nan, _judge_name, _expecting("inner.1", "a module that outputs NaN")),
+        Check("the first module in the order of the pass", HINTS["order"], _observe_order, _judge_name,
+              _expecting("a", "modules defined b, a but run a, b")),
         Check("tuple and dict outputs", "walk tuples, lists and dicts; skip what is not a floating tensor",
-              _check_nested_outputs),
+              _observe_nested_outputs, _judge_name,
+              _expecting("pair", "a module returning (tensor, {'aux': tensor with an inf, 'note': str})")),
         Check("hooks are removed, also when run() raises", "keep the handles of register_forward_hook and "
-              "call handle.remove() in a finally: block", _check_hooks_removed),
+              "call handle.remove() in a finally: block", _observe_hooks_removed, _judge_hooks_removed),
         Check("outputs are left unchanged", "a forward hook must return None; call run() exactly once",
-              _check_outputs_unchanged),
+              _observe_outputs_unchanged, _judge_outputs_unchanged),
         Check("finds the overflowing layer of the course GPT in fp16", "hook every module "
-              "(model.modules(), not only model.children()) and use named_modules() names", _check_gpt),
+              "(model.modules(), not only model.children()) and use named_modules() names", _observe_gpt,
+              _judge_name, _expecting("transformer.h.1.mlp.c_fc",
+                                      "the course GPT in fp16 with an oversized c_fc weight in block 1")),
     ]

@@ -15,9 +15,14 @@ import torch
 
 from mpgpt import formats
 
-from .core import Check, Failed, expect
+from .core import Case, Check, Failed, exact
 
 NAME = "ch1-rounding"
+OWN = ("mpgpt.formats",)
+# A library's cast to a 16-bit format would be graded instead of the learner's rounding: torch's and
+# numpy's dtypes and casts, and struct's half-precision format "e".
+REFERENCE_ATTRS = ("float16", "bfloat16", "half", "e", "<e", ">e", "=e", "!e", "@e")
+LEGEND = ""
 FORMATS = ("fp16", "bf16")
 
 STUB = '''"""Chapter 1, graded: round fp32 to fp16 or bf16 on the bit patterns.
@@ -56,11 +61,13 @@ def _bits32(x: float) -> int:
     return struct.unpack("<I", struct.pack("<f", x))[0]
 
 
-def expected(bits: int, fmt: str) -> int:
-    """torch's cast of the fp32 number with pattern ``bits`` to fmt, as a 16-bit pattern."""
-    signed = bits - (1 << 32) if bits >= 1 << 31 else bits
-    t = torch.tensor([signed], dtype=torch.int32).view(torch.float32)  # bits -> fp32, exactly
-    return int(formats.encode(t, fmt)[0])
+def expected(bits: int | list[int], fmt: str):
+    """torch's cast of the fp32 number(s) with pattern(s) ``bits`` to fmt, as 16-bit pattern(s)."""
+    many = isinstance(bits, list)
+    signed = [b - (1 << 32) if b >= 1 << 31 else b for b in (bits if many else [bits])]
+    t = torch.tensor(signed, dtype=torch.int32).view(torch.float32)  # bits -> fp32, exactly
+    out = [int(v) for v in formats.encode(t, fmt).tolist()]
+    return out if many else out[0]
 
 
 def _is_nan(pattern: int, fmt: str) -> bool:
@@ -69,20 +76,84 @@ def _is_nan(pattern: int, fmt: str) -> bool:
     return (pattern >> f.mantissa_bits) & top == top and pattern & ((1 << f.mantissa_bits) - 1) != 0
 
 
-def _compare(module, cases: list[int], fmt: str, what: str) -> None:
-    """Every case must give torch's pattern (any NaN for a NaN); report the first mismatch."""
-    wrong = []
-    for bits in cases:
-        want = expected(bits, fmt)
-        got = module.round_fp32_bits(bits, fmt)
-        expect(isinstance(got, int) and not isinstance(got, bool), f"returned {type(got).__name__}, not an int")
-        ok = _is_nan(got, fmt) if _is_nan(want, fmt) else got == want
-        if not ok:
-            wrong.append((bits, got, want))
-    if wrong:
-        bits, got, want = wrong[0]
-        raise Failed(f"{fmt}: {len(wrong)} of {len(cases)} {what} differ, e.g. {_f32(bits)!r} "
-                             f"(0x{bits:08X}) -> got 0x{got:04X}, expected 0x{want:04X}")
+def _is_inf(pattern: int, fmt: str) -> bool:
+    f = formats.get_format(fmt)
+    top = (1 << f.exponent_bits) - 1
+    return (pattern >> f.mantissa_bits) & top == top and pattern & ((1 << f.mantissa_bits) - 1) == 0
+
+
+HINTS = {
+    "nan": "a NaN must stay a NaN: exponent all ones and a nonzero mantissa (keep a mantissa bit set "
+           "after the shift, or set the top one)",
+    "inf": "an infinity stays an infinity: exponent all ones, mantissa 0",
+    "overflow": "past the largest finite number the result is inf (exponent all ones, mantissa 0), "
+                "not the largest number; a rounding carry can reach the next binade too",
+    "sign": "the sign bit moves to bit 15 whatever the magnitude does (-0.0 and negative results too)",
+    "subnormal": "below the smallest normal fp16 keeps exponent field 0 and shifts the significand (with "
+                 "its leading 1) right; round the shifted-out bits the same way, ties to even",
+    "tie": "exactly half an ulp dropped: round up only if the kept last bit is 1 (ties to even); any "
+           "nonzero bit below the halfway bit (a 'sticky' bit) means past halfway",
+    "truncates": "look at the dropped mantissa bits: more than half an ulp rounds up (truncating is "
+                 "wrong half of the time)",
+    "rounds_up": "round up only when more than half an ulp is dropped (or exactly half and the kept "
+                 "last bit is 1)",
+    "range": "return the 16-bit pattern: an int in [0, 2**16)",
+}
+
+
+def _why(bits: int, got: int, want: int, fmt: str) -> str | None:
+    """Which part of rounding a wrong pattern points at (a key of HINTS), or None."""
+    f = formats.get_format(fmt)
+    if not 0 <= got < 1 << 16:
+        return "range"
+    if _is_nan(want, fmt):
+        return "nan"
+    if (got ^ want) & 0x8000:
+        return "sign"
+    if _is_inf(want, fmt):
+        return "inf" if (bits >> 23) & 0xFF == 0xFF else "overflow"
+    if want >> f.mantissa_bits == 0 or got >> f.mantissa_bits == 0:  # zero or subnormal
+        return "subnormal"
+    shift = 23 - f.mantissa_bits
+    if (bits >> 23) & 0xFF and (bits & ((1 << shift) - 1)) == 1 << (shift - 1):
+        return "tie"
+    if got == want - 1:
+        return "truncates"
+    if got == want + 1:
+        return "rounds_up"
+    return None
+
+
+def _cases(*groups: tuple[str, list[int]], what: str) -> Case:
+    """prepare(): fp32 patterns per format, and torch's patterns for them."""
+    inputs = [{"fmt": fmt, "bits": bits} for fmt, bits in groups]
+    return Case({"what": what, "groups": inputs}, [expected(g["bits"], g["fmt"]) for g in inputs])
+
+
+def _observe(module, inputs) -> list[list[int]]:
+    out = []
+    for group in inputs["groups"]:
+        got = []
+        for bits in group["bits"]:
+            value = module.round_fp32_bits(bits, group["fmt"])
+            got.append(exact(value, int, what=f"round_fp32_bits(0x{bits:08X}, {group['fmt']!r})"))
+        out.append(got)
+    return out
+
+
+def _judge(case: Case, observed) -> None:
+    """Every case must give torch's pattern (any NaN for a NaN); report the first mismatch and the
+    hint for what it points at."""
+    what = case.inputs["what"]
+    for group, gots, wants in zip(case.inputs["groups"], observed, case.expected, strict=True):
+        fmt, cases = group["fmt"], group["bits"]
+        wrong = [(b, g, w) for b, g, w in zip(cases, gots, wants, strict=True)
+                 if not (_is_nan(g, fmt) if _is_nan(w, fmt) else g == w)]
+        if wrong:
+            bits, got, want = wrong[0]
+            why = _why(bits, got, want, fmt)
+            raise Failed(f"{fmt}: {len(wrong)} of {len(cases)} {what} differ, e.g. {_f32(bits)!r} "
+                         f"(0x{bits:08X}) -> got 0x{got:04X}, expected 0x{want:04X}", HINTS.get(why))
 
 
 def _fp32_of(pattern: int, fmt: str) -> int:
@@ -117,76 +188,65 @@ def _ties(fmt: str, rng: random.Random) -> list[int]:
     return cases
 
 
-def _check_exact(module) -> None:
+def _prepare_exact(rng: random.Random) -> Case:
+    groups = []
     for fmt in FORMATS:
         values = [1.0, -2.0, 0.5, 3.0, -0.15625, 2.0**-14, 65504.0 if fmt == "fp16" else 2.0**100, 0.0]
-        _compare(module, [_bits32(v) for v in values], fmt, "exactly representable numbers")
+        groups.append((fmt, [_bits32(v) for v in values]))
+    return _cases(*groups, what="exactly representable numbers")
 
 
-def _check_signed_zero(module) -> None:
-    for fmt in FORMATS:
-        got = module.round_fp32_bits(0x80000000, fmt)
-        expect(got == 0x8000, f"{fmt}: -0.0 -> 0x{got:04X}, expected 0x8000 (the sign bit alone)")
+def _prepare_signed_zero(rng: random.Random) -> Case:
+    return _cases(*[(fmt, [0x80000000]) for fmt in FORMATS], what="negative zeros")
 
 
-def _check_random(module) -> None:
-    rng = random.Random()
+def _prepare_random(rng: random.Random) -> Case:
+    groups = []
     for fmt in FORMATS:
         f = formats.get_format(fmt)
         cases = []
         while len(cases) < 2000:  # random fp32 patterns whose value lies in fmt's normal range
             b = rng.getrandbits(32)
-            x = abs(_f32(b))
-            if f.smallest_normal <= x < f.max_finite:
+            if f.smallest_normal <= abs(_f32(b)) < f.max_finite:
                 cases.append(b)
-        _compare(module, cases, fmt, "random fp32 numbers in the normal range")
+        groups.append((fmt, cases))
+    return _cases(*groups, what="random fp32 numbers in the normal range")
 
 
-def _check_ties(module) -> None:
-    rng = random.Random()
-    for fmt in FORMATS:
-        _compare(module, _ties(fmt, rng), fmt, "halfway cases (and one fp32 ulp either side)")
+def _prepare_ties(rng: random.Random) -> Case:
+    return _cases(*[(fmt, _ties(fmt, rng)) for fmt in FORMATS], what="halfway cases (and one fp32 ulp either side)")
 
 
-def _check_overflow(module) -> None:
+def _prepare_overflow(rng: random.Random) -> Case:
     fp16 = [65519.0, 65520.0, 65535.0, 1e5, -1e6, 3.0e38]
     bf16 = [3.3e38, 3.39e38, -3.4e38, _f32(0x7F7FFFFF)]
-    _compare(module, [_bits32(v) for v in fp16], "fp16", "values at and past fp16's largest finite 65504")
-    _compare(module, [_bits32(v) for v in bf16], "bf16", "values near fp32's largest")
+    return _cases(("fp16", [_bits32(v) for v in fp16]), ("bf16", [_bits32(v) for v in bf16]),
+                  what="values at and past the largest finite number")
 
 
-def _check_subnormals(module) -> None:
-    rng = random.Random()
+def _prepare_subnormals(rng: random.Random) -> Case:
     cases = [_bits32(v) for v in (2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-26, 2.0**-15, 1e-7, -6e-8)]
     while len(cases) < 1000:
-        x = rng.uniform(2.0**-26, 2.0**-14) * rng.choice((1, -1))
-        cases.append(_bits32(x))
-    _compare(module, cases, "fp16", "numbers below fp16's smallest normal 2**-14")
-    _compare(module, [_bits32(v) for v in (1e-39, -1e-45, 2.0**-130)], "bf16", "fp32 subnormals")
+        cases.append(_bits32(rng.uniform(2.0**-26, 2.0**-14) * rng.choice((1, -1))))
+    return _cases(("fp16", cases), ("bf16", [_bits32(v) for v in (1e-39, -1e-45, 2.0**-130)]),
+                  what="numbers below the smallest normal")
 
 
-def _check_specials(module) -> None:
+def _prepare_specials(rng: random.Random) -> Case:
     cases = [0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001]  # +inf, -inf, NaNs
-    for fmt in FORMATS:
-        _compare(module, cases, fmt, "infinities and NaNs")
+    return _cases(*[(fmt, cases) for fmt in FORMATS], what="infinities and NaNs")
 
 
 def checks() -> list[Check]:
     return [
         Check("exactly representable numbers are unchanged", "split the pattern into sign (1 bit), "
               "exponent (8) and mantissa (23); re-bias the exponent (fp32 bias 127) and keep the top mantissa bits",
-              _check_exact),
-        Check("-0.0 keeps its sign", "the sign bit moves to bit 15 whatever the magnitude does", _check_signed_zero),
-        Check("round to nearest (random numbers)", "look at the dropped mantissa bits: more than half an ulp "
-              "rounds up, less rounds down (truncating is wrong half of the time)", _check_random),
-        Check("ties round to even", "exactly half an ulp dropped: round up only if the kept last bit is 1; "
-              "any nonzero bit below the halfway bit (a 'sticky' bit) means past halfway", _check_ties),
-        Check("overflow rounds to infinity", "after rounding, a carry may reach the next binade; past the "
-              "largest finite number the result is inf (exponent all ones, mantissa 0), not the largest number",
-              _check_overflow),
-        Check("fp16 subnormals and underflow to zero", "below 2**-14 fp16 keeps exponent field 0 and shifts "
-              "the significand (with its leading 1) right; round the shifted-out bits the same way, ties to even",
-              _check_subnormals),
+              _observe, _judge, _prepare_exact),
+        Check("-0.0 keeps its sign", HINTS["sign"], _observe, _judge, _prepare_signed_zero),
+        Check("round to nearest (random numbers)", HINTS["truncates"], _observe, _judge, _prepare_random),
+        Check("ties round to even", HINTS["tie"], _observe, _judge, _prepare_ties),
+        Check("overflow rounds to infinity", HINTS["overflow"], _observe, _judge, _prepare_overflow),
+        Check("fp16 subnormals and underflow to zero", HINTS["subnormal"], _observe, _judge, _prepare_subnormals),
         Check("infinities and NaN", "exponent all ones: mantissa 0 is inf, keep it; otherwise a NaN, which must "
-              "stay a NaN (keep a mantissa bit set, even after the shift)", _check_specials),
+              "stay a NaN (keep a mantissa bit set, even after the shift)", _observe, _judge, _prepare_specials),
     ]
