@@ -220,12 +220,16 @@ def test_wheel_grader_writes_a_stub_and_grades_it_from_an_empty_folder(fresh_pyt
         assert main(["--stub", "ch5-scaler", "-o", "mine.py"]) == 0
         with contextlib.redirect_stdout(io.StringIO()) as report:
             stub_status = main(["ch5-scaler", "mine.py"])
+        # the package's own scaler is found in the wheel, and a file that imports it is not graded
         open("own.py", "w").write("from mpgpt.scaling import DynamicLossScaler\\n")
-        with contextlib.redirect_stdout(io.StringIO()) as good:
+        with contextlib.redirect_stdout(io.StringIO()) as own:
             own_status = main(["ch5-scaler", "own.py"])
+        # a correct solution (the tests' own, handed over as text) passes every behaviour
+        open("solution.py", "w").write(sys.argv[2])
+        with contextlib.redirect_stdout(io.StringIO()) as good:
+            good_status = main(["ch5-scaler", "solution.py"])
         import mpgpt.labs.broken_clipping  # the lab's scripts ship too
-        print(stub_status, own_status, report.getvalue().count("FAIL"), good.getvalue().splitlines()[-1])
-    """, site)
-    stub_status, own_status, fails, *last = stdout.split("\n")[-2].split(" ", 3)
-    assert (stub_status, own_status) == ("1", "0") and int(fails) >= 6, stdout
-    assert last[0].startswith("ch5-scaler:") and last[0].endswith("behaviours pass"), stdout
+        print(stub_status, own_status, report.getvalue().count("FAIL"), "NOT GRADED" in own.getvalue(), good_status)
+    """, site, (ROOT / "tests" / "grade_solutions" / "ch5_scaler.py").read_text())
+    stub_status, own_status, fails, refused, good_status = stdout.split("\n")[-2].split(" ")
+    assert (stub_status, own_status, refused, good_status) == ("1", "1", "True", "0") and int(fails) >= 6, stdout
