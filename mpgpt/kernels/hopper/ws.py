@@ -1,78 +1,63 @@
-"""A warp-specialised Hopper matmul written in Gluon, with 128 x 192 tiles (chapter 6).
+"""A warp-specialised Hopper matmul written in Gluon, on 128 x 192 tiles (chapter 6).
 
-Why a third kernel. The GPT-2 products with N = 768 outputs (attn.c_proj, mlp.c_proj) stayed at
-0.80-0.86x of cuBLAS on the persistent TMA kernel (tma.py) through several rounds of tuning
-(benchmarks/NOTES-kernels.md). Nsight Compute then showed what cuBLAS does there: 192 x 192
-tiles, one warpgroup issuing TMA loads and two warpgroups doing the MMAs (its kernel is
-`nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB`). 12288 x 768 makes 256 such tiles, 1.94 waves on
-132 multiprocessors, where power-of-two tiles give 576 tiles of 128 x 128 (4.36 waves, run as 5).
+Why 128 x 192. GPT-2's products with N = 768 outputs (attn.c_proj, mlp.c_proj) fill the GPU badly
+with power-of-two tiles: 12288 x 768 makes 576 tiles of 128 x 128, 4.36 waves on 132
+multiprocessors, run as 5. cuBLAS takes 192 x 192 tiles there (256 tiles, 1.94 waves), with one
+warpgroup issuing TMA loads and two doing the MMAs. Triton's tile language has only power-of-two
+blocks, and a 192-wide tile written as two `tl.dot` accumulators (128 + 64 columns) is slow: the
+persistent loop resets them between tiles with register selects, and the assembler then
+serialises every MMA (ptxas warning C7515). Gluon, Triton's lower-level dialect, lets the kernel
+state its schedule itself, as partitions of warps (`gl.warp_specialize`):
 
-Triton's tile language only has power-of-two blocks. A 192-wide tile can be two accumulators
-(128 + 64 columns) sharing each A tile, but written with `tl.dot` it was slower: the persistent
-loop resets the accumulators between tiles with register selects, and the assembler then
-serialises every MMA (ptxas warning C7515). Gluon, Triton's lower-level dialect, lets us write the
-schedule ourselves:
-
-* a **producer** partition (one warp, `gl.warp_specialize`) runs the TMA loads of every
-  (tile, K-step) of this program into a ring of STAGES shared-memory stages. Before reusing a
-  stage it waits on that stage's `empty` barrier; each load arms the stage's `ready` barrier
-  with the bytes it will deliver. It runs ahead into the next tile while the MMA warps are busy
-  with an epilogue, so a new tile starts with its operands already loaded;
+* the **producer** (one warp) runs the TMA loads of every (tile, K-step) of this program into a
+  ring of STAGES shared-memory stages. Before reusing a stage it waits on that stage's `empty`
+  barrier; each load arms the stage's `ready` barrier with the bytes it will deliver. It runs
+  ahead into the next tile while the MMA warps are in an epilogue, so a new tile starts with its
+  operands already loaded;
 * the **MMA** partition (8 warps, two warpgroups sharing a tile's 128 rows) waits on `ready`,
   issues two asynchronous warpgroup MMAs per K-step (the 128- and the 64-wide part, same A
   stage), starts every tile with `use_acc=False` instead of zeroing registers, and releases a
   stage (arrives on `empty`) once the MMAs that read it are done. Then the epilogue: bias in
   fp32 (loaded before the tile's MMAs), one rounding, TMA stores (which drop what lies past
-  the edges; loads past the edges read zeros).
-* with a bias, **two MMA partitions** of one warpgroup each instead (ROLES = 2, `mma_roles`):
-  each owns a whole 128 x 192 accumulator (192 registers a thread) and they take the program's
-  tiles in turn, so that one's epilogue, the bias's load among it, runs while the other's MMAs
-  keep the tensor cores busy (CUTLASS calls this schedule "ping-pong"). Where the one-partition
-  kernel paid about 0.6 us a tile for the bias, this pays next to nothing.
-* for an output at most four tiles across (N = 768), bias or not, the **sliced store** instead
+  the edges; loads past the edges read zeros);
+* with a bias, **two MMA partitions** of one warpgroup each instead (ROLES = 2, `mma_roles`),
+  each owning a whole 128 x 192 accumulator and taking the program's tiles in turn, so that one's
+  epilogue, the bias's load among it, runs while the other's MMAs keep the tensor cores busy
+  (CUTLASS's "ping-pong" schedule);
+* for an output at most four tiles across (N = 768), the **sliced store** instead
   (`sliced_store`): one partition, the tile stored in three 128 x 64 slices through a single
-  staging buffer, which leaves room in shared memory for a fifth load stage. That stage took
-  these products from 0.94x to 0.96-0.97x of cuBLAS on an H100, more than two partitions did.
+  staging buffer, which leaves room in shared memory for a fifth load stage.
 
-Measured on the H200 (CUDA-graph replay; benchmarks/NOTES-kernels.md): 24.7 us against
-cuBLAS's 25.0 at 12288 x 768 x 768 (the TMA kernel: 30-31 us), 92.1 against 90.9 at
-12288 x 768 x 3072.
+The epilogues (EPILOGUE):
+
+0. C = A B (+ bias), rounded once (`launch`, for `matmul.plan`).
+1. `gelu_forward`, the MLP's first product (fast/mlp.py): Z = A w^T + bias and gelu(Z), both
+   stored. A third partition of four warps stores Z, evaluates GELU from it in place and stores
+   that, while the MMA warps go on to the next tile (barriers z_ready and z_empty), so GELU's
+   arithmetic costs no tensor-core time.
+2. `gelu_backward_fused`, the MLP's backward: dZ = (dOut W_proj) * gelu'(Z) and the bias
+   gradient's column sums, in a partition of eight warps (`_gelu_grad_partition`). Withdrawn from
+   the recipes: it gave different gradients when other work shared the GPU (fast/mlp.py's
+   WITHDRAWN); the kernel keeps it for its tests.
+3. `launch_split`, the weight gradient dW = dY.t() @ X (A read transposed: the producer loads
+   (K, M) boxes of dY and the MMA reads them as transposed views, as it reads w). Such a product
+   has few output tiles and a long K (attn.c_proj's dW: 24 tiles for 132 multiprocessors, 192
+   K-steps each), so each tile's K-steps are split into SPLIT_K slices, each a work unit of its
+   own whose fp32 product goes from registers into plane s of a (SPLIT_K, M, N) buffer; the host
+   adds the planes with one rounding. `split_for` picks the slices from a cost model
+   (`split_cost`), `split_tile` whether an unsplit product takes 128 x 160 tiles that fill more
+   of the GPU, and `split_preferred` whether `auto` takes this path.
 
 Scope, checked by `ws_eligible`: sm_90 exactly (Blackwell has no wgmma), bf16/fp16, A (M, K)
 with unit column stride, and B either as the forward layout reads it (B = w.t() for a row-major
 weight w (N, K): the MMA reads each (N, K) stage transposed) or row-major (K, N), as the input
 gradient dX = dY @ W reads the weight (the MMA reads the (K, N) stage as it is); optional bias,
 no activation, C row-major; every base address and row pitch 16-byte aligned. `kernel="auto"`
-takes it for either layout where `ws_preferred` says its tiles fill the waves (for dX it measured
-0.96-1.01x of cuBLAS against the TMA kernel's 0.84-0.95x: record kernels-grads-h200).
-`gelu_forward` runs the same kernel with a GELU epilogue (EPILOGUE=1: Z = A w^T + bias and
-gelu(Z), both stored) for the MLP's first product (fast/mlp.py); `gelu_eligible` says where.
-There a third partition does the epilogue: the MMA warps round Z into the staging buffers and go
-on to the next tile, while four more warps store Z, evaluate GELU from it in place, store that,
-and hand the buffers back (two mbarriers, z_ready and z_empty). When the MMA warps evaluated GELU
-themselves, the tensor cores waited for it: 119.3 us a launch in the step's profile (record
-train-profile-fastest-h200) against 95.9 us for the product alone (a do_bench probe, not kept);
-with the partition, 106.9 us (record train-profile-epilogue-h200; benchmarks/NOTES-train.md).
-`gelu_backward_fused` runs it with EPILOGUE=2 for the MLP's backward (dZ = (dOut W_proj) *
-gelu'(Z) and the bias gradient's column sums, in a partition of eight warps that reads dH and Z
-from shared memory, Z brought there by TMA a tile ahead with three load stages instead of four to
-make room, and writes dZ from registers). On an H100 it took 144.5 us at GPT-2's shape against
-179.2 us for cuBLAS's product and gelu.py's pass (record kernels-dgelu-eight-warps-h100; earlier
-versions and why they were slower: _gelu_grad_partition, benchmarks/NOTES-train.md). It has not
-been timed in the training step yet, so the MLP uses it only when asked (fast/mlp.py,
-gelu_backward="epilogue").
-`launch_split` runs it for the weight gradient dW = dY.t() @ X (A read transposed: the producer
-loads (K, M) boxes of dY and the MMA reads them as transposed views, as it reads w). Such a
-product has few output tiles and a long K (attn.c_proj's dW: 24 tiles of 128 x 192 for 132
-multiprocessors, 192 K-steps each), so each tile's K-steps are split into SPLIT_K slices, each a
-work unit of its own (EPILOGUE=3: its fp32 product goes from registers into plane s of a
-(SPLIT_K, M, N) buffer, and the host adds the planes with one rounding). `split_for` picks the
-slices from a cost model (`split_cost`), `split_tile` whether an unsplit product takes narrower
-128 x 160 tiles that fill more of the GPU, and `split_preferred` says where `auto` takes this path.
-Everything else goes to the TMA kernel (tma.py) or the grouped kernel (grouped.py); `matmul.plan`
-decides, using `ws_eligible` and `ws_preferred`, and for a transposed A `split_eligible` and
-`split_preferred`. Gluon kernels run only compiled (there is no interpreter for them); where Gluon
-is missing, WS_IMPORT_ERROR says why and nothing here is used.
+takes it for either layout where `ws_preferred` says its tiles fill the waves. Everything else
+goes to the TMA kernel (tma.py) or the grouped kernel (grouped.py); `matmul.plan` decides. Gluon
+kernels run only compiled (there is no interpreter for them); where Gluon is missing,
+WS_IMPORT_ERROR says why and nothing here is used.
+measured: records train-profile-epilogue-h200 (epilogue 1), kernels-grads-h200 (dX)
 """
 from __future__ import annotations
 
@@ -98,7 +83,7 @@ else:
     # A barrier among the warps of one partition: gl.barrier in Triton 3.9, gl.thread_barrier in 3.6.
     _sync_partition = getattr(gl, "barrier", None) or gl.thread_barrier
 
-# The one configuration (on the H200, 4 stages beat 3 at each of the three shapes timed both ways).
+# The one configuration (four load stages: faster than three on the H200 at every shape timed).
 BLOCK_M, BLOCK_N, EXTRA_N, BLOCK_K, STAGES, GROUP_M, NUM_WARPS = 128, 128, 64, 64, 4, 8, 8
 # Four stages of 40 KiB and C's two staging buffers (48 KiB) fill the 227 KiB of shared memory a
 # block may have. Without the 128 x 128 staging buffer, a fifth stage fits: DEEP_STAGES, for
@@ -400,8 +385,8 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         """gelu'(z) in fp32, as gelu.gelu_grad_f32 computes it (the sigmoid form, exp and one fast
         division), so the fused backward gives the separate pass's dZ:
         s = sigmoid(v), v = 2 sqrt(2/pi) (z + 0.044715 z^3); gelu'(z) = s + z s (1 - s) 2 sqrt(2/pi) (1 + 3 * 0.044715 z^2).
-        Not tanh.approx as in the forward: near |t| = 1 its 2^-11 relative error becomes about
-        0.3 % of gelu'(z) through 1 - t^2, as large as dZ's own bf16 rounding."""
+        Not tanh.approx as in the forward: near |t| = 1 its 2^-11 relative error grows through
+        1 - t^2 to the size of dZ's own bf16 rounding."""
         zz = z * z
         v = 1.5957691216057308 * z * (1.0 + 0.044715 * zz)
         e = gl.exp(-gl.abs(v))
@@ -438,26 +423,24 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         c2_smem); dZ = dH * gelu'(Z) goes from registers straight to out (M, N) in global memory;
         with HAS_BIAS each column's sum of the fp32 dZ over the tile's rows goes to part
         (N, cdiv(M, BLOCK_M)) at [column, tile row].
+        Withdrawn from the recipes: it gave different gradients when other work shared the GPU
+        (fast/mlp.py's WITHDRAWN); the kernel keeps it for its tests.
         Z comes by TMA into shared memory of its own: the next tile's load starts as soon as this
-        tile's Z has been read, so it arrives while that tile's MMAs run.
-        Why this shape (the measurements are in benchmarks/NOTES-train.md):
+        tile's Z has been read, so it arrives while that tile's MMAs run. Why this shape:
         * dZ goes to global memory from registers, not back into the staging buffers for a TMA
           store: a store into a buffer that a later chunk loads from makes the compiler put a
           barrier of the partition's warps between them (it cannot tell that the two slices do
-          not overlap), two a chunk, so each chunk's loads, arithmetic and stores ran in turn.
-          That version took 191.9 us at GPT-2's shape on the H200, against 162.8 us for cuBLAS's
-          product and gelu.py's pass (record kernels-dgelu-h200).
+          not overlap), two a chunk, so each chunk's loads, arithmetic and stores would run in turn.
         * Eight warps of 64 registers, not four of 96: the arithmetic (about 30 instructions an
           element) waits on its own latency, not on issue, and twice the warps hide more of it.
-        (A first version read Z from global memory in the partition: 216.4 us.)"""
+        measured: record kernels-dgelu-eight-warps-h100"""
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
         EXTRA_N: gl.constexpr = c2_desc.block_type.shape[1]
         ROWS: gl.constexpr = 8  # row chunks of ROWS x BLOCK_N (and ROWS x EXTRA_N): 4 and 2 values a thread
         CHUNKS: gl.constexpr = BLOCK_M // ROWS
         # Eight warps, each owning an eighth of the columns and all ROWS rows, so the column sums
-        # need only shuffles within a warp (a sum across warps went through shared memory, and
-        # spilled).
+        # need only shuffles within a warp (a sum across warps would go through shared memory).
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 8], [1, 0])    # 8 rows x 128 columns
         layout2: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [1, 8], [1, 0])   # 8 rows x 64 columns
         dtype: gl.constexpr = c_desc.dtype
@@ -513,7 +496,7 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         M, N, K,
         HAS_BIAS: gl.constexpr,             # EPILOGUE < 2: add bias; EPILOGUE == 2: sum dZ's columns into part
         EPILOGUE: gl.constexpr,             # 0: C = A B (+ bias); 1: also Z = that, and C = gelu(Z);
-                                            # 2: C = (A B) * gelu'(Z), GELU's backward (A = dOut, B = W);
+                                            # 2: C = (A B) * gelu'(Z), GELU's backward (A = dOut, B = W; withdrawn);
                                             # 3: part[s] = A[:, Ks] B[Ks, :] in fp32, for each K slice s
         A_T: gl.constexpr,                  # False: a_desc describes A (M, K); True: A.t() (K, M) row-major
         B_ROW_MAJOR: gl.constexpr,          # False: b_desc describes w (N, K); True: B (K, N) row-major
@@ -549,9 +532,9 @@ if WS_IMPORT_ERROR is None and not env.interpreting():
         mbarrier.init(turn, count=1)
         fence_async_shared()  # the initialised barriers, visible to the TMA unit
         # The producer: 1 warp, 40 registers a thread; for EPILOGUE == 1 the GELU partition: 4 warps,
-        # 96 registers a thread; for EPILOGUE == 2 GELU's backward: 8 warps of 64 registers (the MMA
-        # warps then get 152 and do not spill: ptxas, ahead of time for sm_90; its earlier 4-warp
-        # form at 128 left them 168, which spilled 12 bytes). The MMA warps get the rest. The three
+        # 96 registers a thread; for EPILOGUE == 2 GELU's backward: 8 warps of 64 registers, which
+        # leaves the MMA warps 152, enough not to spill (ptxas, ahead of time for sm_90). The MMA
+        # warps get the rest. The three
         # lists repeat the first two partitions because the JIT can hold neither a function nor
         # (keeping it constexpr) a constexpr argument in a variable.
         if EPILOGUE == 2:
@@ -681,9 +664,8 @@ def balanced_programs(tiles: int, num_sms: int) -> int:
     of tiles, give or take one (384 tiles on 132 multiprocessors: 128 programs of 3 tiles, not
     120 of 3 and 12 of 2). The time is set by the programs that run the most tiles either way;
     with fewer programs at once, each runs a little faster (less contention for L2 and memory,
-    and for the power budget). Measured on an H100 as replayed graphs: 12288 x 768 x 3072 took
-    89.8 us on 128 programs against 91.8 us on 132, and 12288 x 768 x 768 31.2 against 31.5;
-    any count that adds a wave (120 programs: 115.5 us) is much slower."""
+    and for the power budget). A count that adds a wave is much slower.
+    measured: record kernels-auto-balanced-h100"""
     if tiles <= 0 or num_sms <= 0:
         raise ValueError(f"tiles and num_sms must be positive, got {tiles} and {num_sms}")
     waves = -(-tiles // num_sms)
@@ -693,11 +675,9 @@ def balanced_programs(tiles: int, num_sms: int) -> int:
 def group_rows(N: int, extra_n: int = EXTRA_N) -> int:
     """GROUP_M, the tile rows a program sweeps before the next column of tiles, for an output N
     wide in tiles BLOCK_N + extra_n wide: 4 where the output is at most four tiles wide (GPT-2's
-    N = 768 products at 192), else GROUP_M.
-    Measured on an H100 as replayed graphs, with balanced_programs, two timings each:
-    12288 x 768 x 3072 took 88.1 us at 4 against 88.8-89.0 at 8, 12288 x 768 x 768 30.8-30.9
-    against 31.2-31.3, dX of c_fc 86.0 against 86.9-87.0; the output layer (N = 50304) was much
-    slower at 4 (1631-1633 against 1538-1545 us), and the other wide outputs within the noise."""
+    N = 768 products at 192), else GROUP_M: the shorter sweep is faster on those narrow outputs,
+    no faster on the wide ones, and much slower on the output layer (N = 50304).
+    measured: record kernels-auto-balanced-h100"""
     return 4 if _narrow_output(N, extra_n) else GROUP_M
 
 
@@ -709,17 +689,14 @@ def _narrow_output(N: int, extra_n: int = EXTRA_N) -> bool:
 # The cost model behind split_for and split_preferred, in microseconds, fitted to replayed graphs on
 # an H100 (the weight gradients of GPT-2's layers, 12288 tokens, 1 to 12 slices):
 # * a K-step of one 128 x 192 x 64 tile on one multiprocessor takes _STEP_US[0] + _STEP_US[1] * the
-#   share of the multiprocessors at work: 0.47-0.53 us with a fifth to a half of them busy, 0.57-0.66
-#   with nearly all (they share L2, memory and the power budget; a sliced run's time less its sum of
-#   the planes timed alone, divided by the busiest program's K-steps);
+#   share of the multiprocessors at work (they share L2, memory and the power budget);
 # * each work unit adds _UNIT_STEPS K-steps (filling the ring, the epilogue);
 # * the host's sum of the fp32 planes: _SUM_US, plus each plane read once and the output written once
-#   at _SUM_BYTES_PER_US (timed alone, L2 cleared: 9.2 us for 2 slices of 768 x 768 to 52.8 us for
-#   12 of 768 x 3072).
+#   at _SUM_BYTES_PER_US (bytes a microsecond);
 # * a K-step of a narrow 128 x 160 tile costs _NARROW_STEP of a 128 x 192 one at the same share of
 #   busy multiprocessors, not the 160/192 of its products (probably because the narrow second MMA
-#   reads as much of A from shared memory for half the work; not profiled). Fitted to the MLP's two
-#   weight gradients unsplit, five stages each (split_tile's table).
+#   reads as much of A from shared memory for half the work). Fitted to the MLP's two weight
+#   gradients unsplit, five stages each.
 # Not modelled: with one slice and a bf16 or strided output, the kernel writes an fp32 plane that the
 # host then copies into the output (one more pass over M x N).
 _STEP_US = (0.45, 0.2)
@@ -750,9 +727,8 @@ def split_cost(M: int, N: int, K: int, split_k: int, num_sms: int, extra_n: int 
 
 def tma_cost(M: int, N: int, K: int, num_sms: int) -> float:
     """The same model for the TMA kernel unsplit: waves of its 128 x 128 tiles, each K-step two
-    thirds of a 128 x 192 one. c_attn's dW: 78.5 us predicted, 77.2 measured; attn.c_proj's 64.6
-    against 72.4; the MLP's 166 against 127-128, whose second wave holds only 12 tiles (the
-    choice between the kernels comes out the same with the measured times)."""
+    thirds of a 128 x 192 one. It overestimates the MLP's weight gradients, whose second wave
+    holds only 12 tiles, but chooses between the kernels as the measured times do."""
     tiles = -(-M // 128) * -(-N // 128)
     return -(-tiles // num_sms) * -(-K // BLOCK_K) * 2 / 3 * _step_us(tiles, num_sms)
 
@@ -761,17 +737,10 @@ def split_tile(M: int, N: int, K: int, split_k: int, num_sms: int) -> int:
     """The second accumulator's width (extra_n) for launch_split: NARROW_EXTRA_N (128 x 160 tiles)
     for an unsplit product where split_cost predicts it faster, else EXTRA_N (128 x 192). The MLP's
     weight gradients (768 x 3072 and 3072 x 768) make 96 wide tiles, one wave on 96 of 132
-    multiprocessors, or 120 narrow ones. Measured on an H100 as replayed graphs, fp32 output (µs,
-    two timings each; tiles and stages, with cuBLAS's bf16 product beside):
-
-        product              cuBLAS      192 (4)       192 (5)       160 (5)       160 (6)
-        MLP, 768 x 3072      85.2        102.5-102.6    99.6-99.9     97.3-97.5     96.9-97.0
-        MLP, 3072 x 768      84.9-85.3   101.9-102.1    99.5-100.0    98.0-98.3     98.0-98.4
-        attn.c_proj, 5 sl.   39.3-39.5    41.1-41.2     38.5-38.6     50.5-50.6     50.6-50.7
-        c_attn, 3 slices     67.6-67.7    91.8-91.9     87.8-88.0    108.4-108.5   111.3
-
-    Five stages beat four at both widths (DEEP_STAGES). With slices the narrow tiles lose: 768 is
-    4.8 of them across, so attn.c_proj's 5 slices make 150 units, two waves of 132."""
+    multiprocessors, or 120 narrow ones, and the narrow ones are faster there. With slices they
+    lose: 768 is 4.8 of them across, so attn.c_proj's 5 slices make 150 units, two waves of 132.
+    Five stages beat four at both widths (DEEP_STAGES).
+    measured: record kernels-dw-tiles-h100"""
     if split_k == 1 and split_cost(M, N, K, 1, num_sms, NARROW_EXTRA_N) < split_cost(M, N, K, 1, num_sms):
         return NARROW_EXTRA_N
     return EXTRA_N
@@ -793,18 +762,11 @@ def split_for(M: int, N: int, K: int, num_sms: int, most: int = 16) -> int:
 
 def split_preferred(M: int, N: int, K: int, num_sms: int) -> bool:
     """Whether kernel="auto" should run a product with a transposed A through launch_split rather
-    than on the TMA kernel: where split_cost (at split_for's slices) is below tma_cost. Measured on
-    an H100 as replayed graphs, the weight gradients of GPT-2's layers (12288 tokens), µs:
-
-        layer        TMA kernel   launch_split           cuBLAS (bf16 output)
-        c_attn       77.2         91.3 (3 slices)        66.2
-        attn.c_proj  72.4         41.0 (5 slices)        39.2
-        c_fc         127.7        101.5 (1 slice)        84.4
-        mlp.c_proj   126.8        101.0 (1 slice)        84.3
-
-    The TMA kernel's 108 tiles for c_attn fill one wave; the MLP's 144 make two, the second
-    nearly empty; attn.c_proj's 36 leave most of the GPU idle unless K is sliced. (launch_split's
-    times here are those of wide tiles and four stages; split_tile's table has faster ones.)"""
+    than on the TMA kernel: where split_cost (at split_for's slices) is below tma_cost. For GPT-2's
+    weight gradients that takes attn.c_proj's (the TMA kernel's 36 tiles leave most of the GPU idle
+    unless K is sliced) and the MLP's (its 144 tiles make two waves, the second nearly empty), and
+    leaves c_attn's (108 tiles, one full wave) on the TMA kernel.
+    measured: record kernels-grads-split-h100"""
     return _split_cost_at(M, N, K, split_for(M, N, K, num_sms), num_sms) < tma_cost(M, N, K, num_sms)
 
 
@@ -881,47 +843,24 @@ def sliced_store(epilogue: int, split_k: int, N: int) -> bool:
     whose output is at most four tiles across (GPT-2's N = 768 products). Each tile then leaves
     in three 128 x 64 slices through one staging buffer instead of two buffers at once, which
     frees 32 KiB of shared memory for a fifth load stage (DEEP_STAGES), on one MMA partition.
-    Measured on an H100 as replayed graphs, 12288 tokens, µs (three timings in one run; the
-    default until then, four stages and both buffers, with two partitions where there is a bias;
-    the sliced store with four stages; with five):
-
-        product, output N       cuBLAS      default       sliced (4)    sliced (5)
-        attn.c_proj, 768        28.4-28.5   30.2          30.4-30.6     29.5
-        mlp.c_proj, 768         82.0-82.1   86.8-86.9     87.8-88.1     84.2-84.4
-        mlp.c_proj + bias       83.4-83.6   87.0-87.2     88.0-88.4     84.6-85.2
-        dX attn.c_proj, 768     29.1-29.3   30.0          30.3-30.4     29.4
-        dX c_fc, 768            85.0-85.4   85.4-85.9     86.4-86.7     84.0-84.2
-        c_attn, 2304            67.8-69.8   68.4-69.0     73.0-73.3     72.5-73.0
-        c_attn + bias           73.2-73.4   70.2-70.7     75.9-76.4     75.0-75.8
-        c_fc, 3072              91.1-91.3   90.6-90.8     95.9-96.2     96.0
-        dX mlp.c_proj, 3072     93.9-94.1   90.5-90.8     95.8-96.1     96.1-96.2
-
-    The slices wait for one another: about 0.4-0.5 us a tile (the wide outputs, 9 to 12 tiles a
-    program, lose 4.6-5.3 us with four stages). The fifth stage took 0.9-3.6 us off the narrow
-    outputs (3 tiles a program) and nothing off the wide ones; why it helps only there was not
-    profiled. SLICED_STORE = False turns it off."""
+    The slices wait for one another, about half a microsecond a tile; on these outputs, a few
+    tiles a program, the fifth stage repays that, and the product runs faster than on two
+    partitions. On wide outputs the stage gains nothing and the waits remain.
+    SLICED_STORE = False turns it off.
+    measured: record kernels-sliced-h100"""
     return SLICED_STORE and epilogue == 0 and split_k == 1 and _narrow_output(N)
 
 
 def mma_roles(epilogue: int, split_k: int, has_bias: bool, N: int) -> int:
     """ROLES for a launch: two MMA partitions taking the tiles in turn (PINGPONG_ROLES) for a plain
-    product (EPILOGUE 0) of whole tiles with a bias, else one. Measured on an H100 as replayed
-    graphs, 12288 tokens, µs (one partition / two; with a bias three timings in one run, without
-    two or three in others):
-
-        with a bias   c_attn 74.5-75.0 / 69.5-70.2   attn.c_proj 30.9-31.0 / 31.2
-                      c_fc   97.7-98.0 / 94.5        mlp.c_proj  87.4-87.6 / 86.7-86.9
-        without       c_attn 67.7-68.1 / 69.2-69.6   c_fc        90.1-90.2 / 94.4-94.7
-        dX of mlp.c_proj (no bias, row-major B): 90.0-90.1 / 94.2-94.4
-
-    With one partition the bias costs about 0.6 us a tile (c_fc: 97.7 against 90.4 without, 12
-    tiles a program); with two it costs next to nothing, since each partition's epilogue, the
-    bias's load among it, runs while the other's MMAs keep the tensor cores busy. Without a bias
-    one partition of two warpgroups is faster: both issue each step's MMAs, where in turns one
-    warpgroup issues them alone. (attn.c_proj, three short tiles a program, loses 1 % with two;
-    kept for one rule.) The GELU epilogues (1, 2) have a partition of their own for their
-    epilogue work, and split units (EPILOGUE 3) write fp32 planes: one partition for those, and
-    for the sliced store (sliced_store, N = 768 outputs), which measured faster than two."""
+    product (EPILOGUE 0) of whole tiles with a bias, else one. With one partition the bias costs
+    about 0.6 us a tile; with two next to nothing, since each partition's epilogue, the bias's load
+    among it, runs while the other's MMAs keep the tensor cores busy. Without a bias one partition
+    of two warpgroups is faster: both issue each step's MMAs, where in turns one warpgroup issues
+    them alone. The GELU epilogues (1, 2) have a partition of their own for their epilogue work,
+    and split units (EPILOGUE 3) write fp32 planes: one partition for those, and for the sliced
+    store (sliced_store, N = 768 outputs), which is faster than two.
+    measured: record kernels-pingpong-h100"""
     if sliced_store(epilogue, split_k, N):
         return 1
     return PINGPONG_ROLES if epilogue == 0 and split_k == 1 and has_bias else 1
@@ -1107,7 +1046,8 @@ def gelu_backward_fused(g: torch.Tensor, w: torch.Tensor, z: torch.Tensor, with_
     W_proj as nn.Linear holds it, z: (M, N) the saved pre-activation -> dZ (M, N), db (N,). The
     same dZ and db as gelu.gelu_backward_bias(g @ w, z), up to the order of fp32 sums. The caller
     checked gelu_backward_eligible(g, w, z). ``num_programs`` (default: balanced_programs)
-    lets a test give each program several tiles at a small shape."""
+    lets a test give each program several tiles at a small shape. Withdrawn from the recipes: it
+    gave different gradients when other work shared the GPU (fast/mlp.py's WITHDRAWN)."""
     from .. import partials
     M, N = g.shape[0], w.shape[1]
     dz = torch.empty((M, N), dtype=g.dtype, device=g.device)
