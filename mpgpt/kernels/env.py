@@ -121,8 +121,9 @@ def interpreter_problem() -> str | None:
             "pip install 'triton>=3.7' (or 'numpy<2.4') to run the kernels on the CPU")
 
 
-def kernels_available() -> tuple[bool, str]:
-    """Can `mpgpt.kernels` run here? Returns (ok, one line saying how or why not)."""
+def kernels_available(dtype: torch.dtype | None = None) -> tuple[bool, str]:
+    """Can `mpgpt.kernels` run here (on ``dtype`` inputs, if given)? Returns (ok, one line saying how
+    or why not). A T4 (sm_75) runs the fp16 kernels but not the bf16 ones."""
     if TRITON_IMPORT_ERROR is not None:
         return False, TRITON_IMPORT_ERROR
     if interpreting():
@@ -137,6 +138,9 @@ def kernels_available() -> tuple[bool, str]:
     cc = capability(device)
     if cc < (7, 0):
         return False, f"{name} is sm_{cc[0]}{cc[1]}: Triton's matrix kernels need compute capability >= 7.0"
+    if cc < (8, 0) and dtype == torch.bfloat16:
+        return False, (f"bf16 Triton kernels need compute capability >= 8.0 (sm_80, e.g. A100/L4/H100); {name} "
+                       f"is sm_{cc[0]}{cc[1]}")
     if cc < (8, 0):
         return True, (f"Triton {triton.__version__} compiled for {name} (sm_{cc[0]}{cc[1]}): fp16 only, and "
                       "tl.dot runs on FMA units, not tensor cores, below sm_80")
