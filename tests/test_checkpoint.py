@@ -91,7 +91,8 @@ def _full_state():
             "optimizer": {"state": {}, "param_groups": []}, "scaler": {}, "scaler_type": "NullScaler",
             "precision": "fp32", "rng": {"torch": torch.zeros(2, dtype=torch.uint8),
                                          "data": torch.zeros(2, dtype=torch.uint8), "python": [3, [1, 2], None]},
-            "step": 3, "history": {"step": [], "loss": [], "scale": [], "skipped": []}}
+            "step": 3, "history": {"step": [0, 1, 2], "loss": [4.0, 3.5, 3.2], "scale": [1.0] * 3,
+                                   "skipped": [False] * 3}}
 
 
 @pytest.mark.parametrize("damage", [
@@ -104,8 +105,14 @@ def _full_state():
     lambda s: s["rng"].pop("data"),
     lambda s: s.update(history=None),
     lambda s: s["history"].pop("loss"),
+    lambda s: s["history"]["loss"].pop(),
+    lambda s: s["history"]["scale"].__setitem__(1, "big"),
+    lambda s: s.update(tokenizer=["a", "b"]),
+    lambda s: s.update(resume_changes="lr"),
+    lambda s: s.update(cpu_threads=0),
 ], ids=["no-optimizer", "no-rng", "step-str", "step-negative", "model-not-tensor", "optimizer-no-state",
-        "rng-no-data", "history-none", "history-no-loss"])
+        "rng-no-data", "history-none", "history-no-loss", "history-short", "history-scale-str", "tokenizer-list",
+        "changes-str", "threads-0"])
 def test_check_structure_names_what_is_missing_or_mistyped(damage):
     state = _full_state()
     checkpoint.check_structure(state)  # the intact one passes
