@@ -96,7 +96,7 @@ def usable_static_scales(policy, tokens_per_step: int, vocab_size: int) -> tuple
     scaled loss itself (about ln(vocab_size) at the start) must be finite in fp32."""
     info = torch.finfo(policy.autocast_dtype or policy.param_dtype)
     smallest = info.tiny * info.eps  # the smallest subnormal: 2**-24 in fp16, 2**-149 in fp32
-    return (smallest * tokens_per_step,
+    return (smallest / 2 * tokens_per_step,  # below half the smallest, a value rounds to 0
             min(info.max * tokens_per_step, torch.finfo(torch.float32).max / math.log(max(vocab_size, 2))))
 
 
@@ -315,6 +315,7 @@ class Trainer:
         random.seed(cfg.seed)
 
         self.data = dataset if dataset is not None else load_dataset(cfg.data)
+        builtin_model = model is None
         if model is None:
             base = GPTConfig.preset(cfg.preset)
             overrides = {"vocab_size": self.data.tokenizer.vocab_size, "dropout": cfg.dropout,
@@ -349,7 +350,7 @@ class Trainer:
         self.scaler = make_scaler(cfg.scaler, self.policy, self.device, static_scale=cfg.static_scale,
                                   init_scale=cfg.init_scale, growth_interval=cfg.growth_interval,
                                   hysteresis=cfg.hysteresis, min_scale=cfg.min_scale)
-        if isinstance(self.scaler, StaticLossScaler) and model is None:  # refused now, not after a run of skips
+        if isinstance(self.scaler, StaticLossScaler) and builtin_model:  # refused now, not after a run of skips
             self._check_static_scale()
         self.forward = self.compiled(self.model)
         self.graphed = self._graphed_step() if cfg.cuda_graph else None
@@ -431,11 +432,12 @@ class Trainer:
         cfg = self.cfg
         tokens = cfg.batch_size * self.block_size * cfg.grad_accum
         low, high = usable_static_scales(self.policy, tokens, self.model.config.vocab_size)
+        dtype = str(self.policy.autocast_dtype or self.policy.param_dtype).replace("torch.", "")
         if not low <= cfg.static_scale <= high:
             why = ("every gradient would be zero: the loss's gradient at the logits, at most scale / "
-                   f"{tokens} tokens, is below the smallest number" if cfg.static_scale < low else
+                   f"{tokens} tokens, is below the smallest number {dtype}" if cfg.static_scale < low else
                    "every step would overflow and be skipped: the scaled loss or its gradient at the logits "
-                   "is above the largest number")
+                   f"is above the largest number {dtype}")
             raise ValueError(f"--static-scale {cfg.static_scale:g} cannot train in {self.policy.name}: {why} "
                              f"it can hold; use a scale in [{low:.3g}, {high:.3g}], e.g. {min(max(1024.0, low), high):g}")
 
@@ -688,7 +690,6 @@ class Trainer:
             raise CheckpointError(f"checkpoint's loss-scaler state is damaged ({e}); resume from an earlier "
                                   "checkpoint or start a new run") from None
         check_rng(state["rng"])
-        notes = self._compare_settings(state)
         unknown = set(state["history"]) - {f.name for f in fields(History)}
         if unknown:
             raise CheckpointError(f"checkpoint's history has unknown fields {sorted(unknown)}; "
@@ -708,7 +709,7 @@ class Trainer:
             warnings.warn(f"checkpoint was written with {threads} CPU threads and this run uses "
                           f"{torch.get_num_threads()}; the resumed run will not be bit-identical to an "
                           f"uninterrupted one (set OMP_NUM_THREADS={threads} for that)", stacklevel=3)
-        return notes
+        return self._compare_settings(state)
 
     def _compare_settings(self, state: dict) -> list[str]:
         """The resume policy (RESUME_MUST_MATCH, RESUME_MAY_CHANGE): refuse a changed setting that must
@@ -858,7 +859,8 @@ class Trainer:
             what = f"all skipped: their gradients overflow at loss scale {scale:g}"
             fix = "lower --static-scale" if static else "lower --lr or use bf16"
         else:
-            what = f"all skipped or with gradients that are exactly zero (loss scale {scale:g})"
+            what = ("all skipped or had gradients that are exactly zero" if any(k for k, _ in recent)
+                    else "all had gradients that are exactly zero") + f" (loss scale {scale:g})"
             fix = "raise --static-scale" if static else "use --scaler dynamic, bf16 or fp32"
         raise DivergenceError(f"training stalled at step {step}: the last {n} steps were {what}; {self._kept()}; "
                               f"{fix}")
@@ -867,6 +869,8 @@ class Trainer:
         kept = self._kept_checkpoint
         if kept is not None and kept[0].is_file():
             return f"the last good checkpoint (step {kept[1]}) is kept at {kept[0]}"
+        if self.cfg.out_dir:
+            return "no checkpoint of this run was written before it"
         return "no checkpoint was written (set --out-dir and --checkpoint-interval to keep one)"
 
 
