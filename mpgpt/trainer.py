@@ -856,13 +856,13 @@ class Trainer:
             return
         static = isinstance(self.scaler, StaticLossScaler)
         if all(k for k, _ in recent):
-            what = f"all skipped: their gradients overflow at loss scale {scale:g}"
+            what = f"were all skipped: their gradients overflow at loss scale {scale:g}"
             fix = "lower --static-scale" if static else "lower --lr or use bf16"
         else:
-            what = ("all skipped or had gradients that are exactly zero" if any(k for k, _ in recent)
+            what = ("were all skipped or had gradients that are exactly zero" if any(k for k, _ in recent)
                     else "all had gradients that are exactly zero") + f" (loss scale {scale:g})"
             fix = "raise --static-scale" if static else "use --scaler dynamic, bf16 or fp32"
-        raise DivergenceError(f"training stalled at step {step}: the last {n} steps were {what}; {self._kept()}; "
+        raise DivergenceError(f"training stalled at step {step}: the last {n} steps {what}; {self._kept()}; "
                               f"{fix}")
 
     def _kept(self) -> str:
