@@ -1,4 +1,5 @@
 """Checkpoints: atomic writes, and clear refusals of truncated, foreign or mismatched files."""
+import errno
 import os
 
 import pytest
@@ -148,3 +149,50 @@ def test_ctrl_c_during_a_write_finishes_it_then_interrupts(tmp_path, monkeypatch
         save_checkpoint(tmp_path / "ckpt.pt", _state())
     assert load_checkpoint(tmp_path / "ckpt.pt")["step"] == 7  # and the checkpoint is whole
     assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+@pytest.mark.parametrize("error, cause, remedy", [
+    (RuntimeError("[enforce fail at inline_container.cc:631] . unexpected pos 2262720 vs 2262612"),
+     "is full", "free space or pass another --out-dir"),
+    (OSError(errno.EFBIG, "File too large"), "file size limit (ulimit -f)", "raise the limit"),
+    (OSError(errno.EROFS, "Read-only file system"), "is not writable", "pass another --out-dir"),
+], ids=["short-write", "ulimit", "read-only"])
+def test_a_failed_write_names_its_cause_and_what_was_kept(tmp_path, monkeypatch, error, cause, remedy):
+    def failing(obj, f, *a, **k):
+        raise error
+
+    monkeypatch.setattr(torch, "save", failing)
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(tmp_path / "ckpt.pt", _state())
+    msg = str(info.value)
+    assert cause in msg and remedy in msg and "no checkpoint was there before" in msg and "unexpected" not in msg
+    monkeypatch.undo()
+    save_checkpoint(tmp_path / "ckpt.pt", _state())
+    monkeypatch.setattr(torch, "save", failing)
+    with pytest.raises(CheckpointError, match="the previous checkpoint is untouched"):
+        save_checkpoint(tmp_path / "ckpt.pt", _state())
+
+
+def test_sigterm_during_a_write_finishes_it_then_reaches_the_programs_handler(tmp_path, monkeypatch):
+    import signal
+    real_save = torch.save
+
+    def save_terminated_halfway(obj, f, *a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(obj, f, *a, **k)
+
+    class Terminated(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        monkeypatch.setattr(torch, "save", save_terminated_halfway)
+        with pytest.raises(Terminated):
+            save_checkpoint(tmp_path / "ckpt.pt", _state())
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert load_checkpoint(tmp_path / "ckpt.pt")["step"] == 7  # written whole before the handler ran
+    assert signal.getsignal(signal.SIGTERM) is previous
