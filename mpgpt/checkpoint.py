@@ -237,10 +237,13 @@ def check_structure(state: dict, where: str = "checkpoint") -> None:
             fail(f"history's {key!r} holds {len(state['history'][key])} steps, the checkpoint is at step {state['step']}")
     if not all(_is_number(v) for key in ("loss", "scale") for v in state["history"][key]):
         fail("history holds a loss or scale that is not a number")
+    val_step, val_loss = state["history"].get("val_step", []), state["history"].get("val_loss", [])
+    if not (isinstance(val_step, list) and isinstance(val_loss, list) and len(val_step) == len(val_loss)):
+        fail("history's val_step and val_loss differ in length")
     for key, kind in _OPTIONAL.items():
         value = state.get(key)
         if value is not None and not (isinstance(value, kind[0]) and all(isinstance(v, kind[1]) for v in value)):
-            fail(f"{key!r} is a {type(value).__name__} of the wrong kind")
+            fail(f"{key!r} is not a {kind[0].__name__} of {kind[1].__name__}")
     threads = state.get("cpu_threads")
     if threads is not None and not (isinstance(threads, int) and threads >= 1):
         fail(f"cpu_threads {threads!r}")
@@ -350,7 +353,9 @@ def load_checkpoint(path) -> dict:
     """Read and validate a checkpoint file; raise CheckpointError with a one-line reason if unusable."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist; check the path passed to --resume")
+        what = ("is a broken symbolic link" if path.is_symlink() and not path.exists() else
+                "is not a regular file" if path.exists() else "does not exist")
+        raise CheckpointError(f"checkpoint {path} {what}; check the path passed to --resume")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # zip reader errors on truncation, unpickling errors on foreign files

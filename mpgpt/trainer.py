@@ -70,6 +70,7 @@ RESUME_MAY_CHANGE = ("lr", "min_lr", "steps", "compile", "fused_clip")
 _FLAGS = {"data": "--data", "seed": "--seed", "grad_accum": "--grad-accum", "static_scale": "--static-scale",
           "min_scale": "--min-scale", "lr": "--lr", "steps": "--steps", "compile": "--compile",
           "fused_clip": "--fused-clip", "optim16": "--optim16", "sample_tokens": "--sample-tokens"}
+MAX_STEPS = 10 ** 9  # about 30 years at one step a second
 MAX_SAMPLE_TOKENS = 10_000  # a sample is for reading; more is a typo (and minutes of generation)
 
 
@@ -176,6 +177,9 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.steps > MAX_STEPS:
+            raise ValueError(f"steps must be at most {MAX_STEPS:.0e} (a run that would never end), got {self.steps}; "
+                             "pass a smaller --steps")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.ddp_bucket_mb is not None and not (0 < self.ddp_bucket_mb <= 1e6):
@@ -439,7 +443,7 @@ class Trainer:
                    "every step would overflow and be skipped: the scaled loss or its gradient at the logits "
                    f"is above the largest number {dtype}")
             raise ValueError(f"--static-scale {cfg.static_scale:g} cannot train in {self.policy.name}: {why} "
-                             f"it can hold; use a scale in [{low:.3g}, {high:.3g}], e.g. {min(max(1024.0, low), high):g}")
+                             f"can hold; use a scale in [{low:.3g}, {high:.3g}], e.g. {min(max(1024.0, low), high):g}")
 
     def compiled(self, module):
         """``module`` under torch.compile if the config asks for it, else ``module`` itself."""
@@ -715,6 +719,12 @@ class Trainer:
         """The resume policy (RESUME_MUST_MATCH, RESUME_MAY_CHANGE): refuse a changed setting that must
         match, in one line naming the flags; return notes for the ones that may change."""
         saved, live = state["train_config"], asdict(self.cfg)
+        try:  # the saved settings must be ones a run could use (older checkpoints may lack newer fields)
+            TrainConfig(**{k: v for k, v in saved.items() if k in live}).validate()
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"checkpoint is incomplete or damaged (its train_config: {str(e).split(';')[0]}); "
+                                  "resume from an "
+                                  "earlier checkpoint or start a new run") from None
         for name in RESUME_MUST_MATCH + RESUME_MAY_CHANGE:
             if name not in saved or not _same_kind(saved[name], live[name]):
                 raise CheckpointError(f"checkpoint is incomplete or damaged (its train_config {name} is "
