@@ -723,8 +723,7 @@ class Trainer:
             TrainConfig(**{k: v for k, v in saved.items() if k in live}).validate()
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"checkpoint is incomplete or damaged (its train_config: {str(e).split(';')[0]}); "
-                                  "resume from an "
-                                  "earlier checkpoint or start a new run") from None
+                                  "resume from an earlier checkpoint or start a new run") from None
         for name in RESUME_MUST_MATCH + RESUME_MAY_CHANGE:
             if name not in saved or not _same_kind(saved[name], live[name]):
                 raise CheckpointError(f"checkpoint is incomplete or damaged (its train_config {name} is "
