@@ -648,7 +648,7 @@ class Trainer:
             raise CheckpointError(f"checkpoint was written with precision {state.get('precision')} and "
                                   f"{state.get('scaler_type')}, this run uses {self.policy.name} and "
                                   f"{type(self.scaler).__name__}; resume with the same --precision and --scaler")
-        notes = self._check_resumable(state)
+        changes = self._check_resumable(state)
         self.model.load_state_dict(state["model"])
         if self.master is not None:
             self.master.load_state_dict(state["master"])
@@ -665,14 +665,22 @@ class Trainer:
         _set_rng_state(rng, self.data_gen)
         self.step = int(state["step"])
         self.history = History(**{**state["history"], "resumed_at": self.step})
-        self.resume_changes = list(state.get("resume_changes") or []) + notes
-        for note in notes:
-            warnings.warn(f"resuming with {note}: the run is no longer bit-identical to an uninterrupted one "
+        self.resume_changes = list(state.get("resume_changes") or []) + changes
+        for change in changes:
+            warnings.warn(f"resuming with {change}: the run is no longer bit-identical to an uninterrupted one "
                           "(recorded in the checkpoint)", stacklevel=3)
+        threads = state.get("cpu_threads")
+        if self.device.type == "cpu" and threads is not None and threads != torch.get_num_threads():
+            # LayerNorm's backward (its weight/bias gradients) sums per-thread partial results on the
+            # CPU, so the last bits of the gradients depend on the thread count: the run continues
+            # correctly, but not bit for bit as it would have.
+            warnings.warn(f"checkpoint was written with {threads} CPU threads and this run uses "
+                          f"{torch.get_num_threads()}; the resumed run will not be bit-identical to an "
+                          f"uninterrupted one (set OMP_NUM_THREADS={threads} for that)", stacklevel=3)
 
     def _check_resumable(self, state: dict) -> list[str]:
         """The checks that need this trainer's live pieces; raise CheckpointError, modify nothing.
-        Returns the settings changed on purpose, as notes (RESUME_MAY_CHANGE)."""
+        Returns the settings changed on purpose (RESUME_MAY_CHANGE), to note once the load is done."""
         if self.master is not None:
             live = self.master.state_dict()
             saved = state["master"] or {}
@@ -705,14 +713,6 @@ class Trainer:
         if int(state["step"]) >= self.cfg.steps:
             raise CheckpointError(f"checkpoint is already at step {state['step']} and this run stops at "
                                   f"--steps {self.cfg.steps}; pass a larger --steps to train further")
-        threads = state.get("cpu_threads")
-        if self.device.type == "cpu" and threads is not None and threads != torch.get_num_threads():
-            # LayerNorm's backward (its weight/bias gradients) sums per-thread partial results on the
-            # CPU, so the last bits of the gradients depend on the thread count: the run continues
-            # correctly, but not bit for bit as it would have.
-            warnings.warn(f"checkpoint was written with {threads} CPU threads and this run uses "
-                          f"{torch.get_num_threads()}; the resumed run will not be bit-identical to an "
-                          f"uninterrupted one (set OMP_NUM_THREADS={threads} for that)", stacklevel=3)
         return self._compare_settings(state)
 
     def _compare_settings(self, state: dict) -> list[str]:
@@ -750,7 +750,10 @@ class Trainer:
         ``until`` stops early after that many steps (saving a checkpoint if ``out_dir`` is set), as an
         interrupted run would; the schedule still follows ``cfg.steps``, so a resumed run continues it.
         Raises :class:`DivergenceError` on a non-finite loss or a loss scale pushed below its floor,
-        and never writes a checkpoint of a diverged state: the last good one stays.
+        or when the run stalls, and never writes a checkpoint of a diverged state (check_state runs
+        before every save): the last good one stays. With ``out_dir`` the run holds the folder's lock
+        (a second run there is refused) and refuses to overwrite a checkpoint it neither wrote nor
+        resumed from.
         The final checkpoint is written before the sample is drawn, so a failing sample loses nothing.
         """
         cfg = self.cfg
@@ -842,7 +845,7 @@ class Trainer:
                 raise DivergenceError(f"training diverged at step {s}: gradients still overflow at the loss "
                                       f"scale's floor (min_scale {self.cfg.min_scale:g}); {self._kept()}; "
                                       "lower --lr or use bf16, and resume from it")
-            self._check_progress(s, loss_v, gn_v, found_inf > 0, scale)
+            self._check_progress(s, gn_v, found_inf > 0, scale)
             hist.step.append(s)
             hist.loss.append(loss_v)
             hist.grad_norm.append(gn_v)
@@ -853,7 +856,7 @@ class Trainer:
             flops = self.flops_per_token
             hist.mfu.append(flops * tps / self.peak if (self.peak and flops) else None)
 
-    def _check_progress(self, step: int, loss: float, grad_norm: float, skipped: bool, scale: float) -> None:
+    def _check_progress(self, step: int, grad_norm: float, skipped: bool, scale: float) -> None:
         """Stop a run that cannot learn: the last STALL_STEPS steps (or all, in a shorter run) were
         skipped for inf/nan gradients, or had gradients that are exactly zero (a loss scale so small
         that fp16 flushes them). Called for each step before it is appended to the History."""
