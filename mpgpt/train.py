@@ -23,6 +23,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -133,7 +134,8 @@ def _terminate(signum, frame):
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _terminate)  # like Ctrl-C: a write in flight finishes first
+    in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None  # like Ctrl-C
     try:
         with warnings.catch_warnings():  # notes (a changed --lr on resume, a thread count) as one line each
             warnings.simplefilter("always")
@@ -144,7 +146,8 @@ def main(argv=None) -> int:
             finally:
                 warnings.showwarning = show
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _main(parser, args) -> int:

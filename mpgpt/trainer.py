@@ -718,17 +718,20 @@ class Trainer:
     def _compare_settings(self, state: dict) -> list[str]:
         """The resume policy (RESUME_MUST_MATCH, RESUME_MAY_CHANGE): refuse a changed setting that must
         match, in one line naming the flags; return notes for the ones that may change."""
-        saved, live = state["train_config"], asdict(self.cfg)
+        saved, live, defaults = state["train_config"], asdict(self.cfg), asdict(TrainConfig())
+        for name in RESUME_MUST_MATCH + RESUME_MAY_CHANGE:
+            if name not in saved:
+                raise CheckpointError(f"checkpoint is incomplete or damaged (its train_config has no {name}); "
+                                      "resume from an earlier checkpoint or start a new run")
+        for name, value in saved.items():
+            if name in defaults and not _same_kind(value, defaults[name]):
+                raise CheckpointError(f"checkpoint is incomplete or damaged (its train_config {name} is {value!r}); "
+                                      "resume from an earlier checkpoint or start a new run")
         try:  # the saved settings must be ones a run could use (older checkpoints may lack newer fields)
-            TrainConfig(**{k: v for k, v in saved.items() if k in live}).validate()
-        except (TypeError, ValueError) as e:
+            TrainConfig(**{k: v for k, v in saved.items() if k in defaults}).validate()
+        except ValueError as e:
             raise CheckpointError(f"checkpoint is incomplete or damaged (its train_config: {str(e).split(';')[0]}); "
                                   "resume from an earlier checkpoint or start a new run") from None
-        for name in RESUME_MUST_MATCH + RESUME_MAY_CHANGE:
-            if name not in saved or not _same_kind(saved[name], live[name]):
-                raise CheckpointError(f"checkpoint is incomplete or damaged (its train_config {name} is "
-                                      f"{saved.get(name, 'missing')!r}); resume from an earlier checkpoint or "
-                                      "start a new run")
         flag = lambda k, v: f"{_FLAGS.get(k, k)} {v}"  # noqa: E731
         changed = [k for k in RESUME_MUST_MATCH if saved[k] != live[k]]
         if changed:
@@ -873,7 +876,9 @@ class Trainer:
         else:
             what = ("were all skipped or had gradients that are exactly zero" if any(k for k, _ in recent)
                     else "all had gradients that are exactly zero") + f" (loss scale {scale:g})"
-            fix = "raise --static-scale" if static else "use --scaler dynamic, bf16 or fp32"
+            fix = ("raise --static-scale" if static else "use --scaler dynamic (or bf16)"
+                   if isinstance(self.scaler, NullScaler) and self.policy.loss_scaling
+                   else "check the model and --data: these gradients are zero before any loss scaling")
         raise DivergenceError(f"training stalled at step {step}: the last {n} steps {what}; {self._kept()}; "
                               f"{fix}")
 
@@ -901,7 +906,10 @@ def _tensors(obj):
             yield from _tensors(value)
 
 
-def _same_kind(saved, live) -> bool:
-    """Whether a saved setting has the kind of value the live one has (a number for a number, ...)."""
+def _same_kind(saved, default) -> bool:
+    """Whether a saved setting has the kind of value its default has: a number for a number, a flag for
+    a flag, text for text, a dict for a dict; where the default is None, None or a number or text."""
     number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
-    return (saved is None or live is None or type(saved) is type(live) or (number(saved) and number(live)))
+    if default is None:
+        return saved is None or number(saved) or isinstance(saved, str)
+    return type(saved) is type(default) or (number(saved) and number(default) and not isinstance(default, int))

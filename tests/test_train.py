@@ -503,6 +503,9 @@ DAMAGES = {
     "train-config-empty": (lambda s: s.update(train_config={}), "batch size is missing"),
     "train-config-str": (lambda s: s["train_config"].update(batch_size="four"), "batch size is missing"),
     "train-config-seed": (lambda s: s["train_config"].update(seed="x"), "train_config seed is 'x'"),
+    "train-config-steps": (lambda s: s["train_config"].update(steps=None), "train_config steps is None"),
+    "train-config-lr": (lambda s: s["train_config"].update(lr=float("inf")), "train_config: lr must be a finite"),
+    "train-config-no-lr": (lambda s: s["train_config"].pop("lr"), "train_config has no lr"),
     "history-short": (lambda s: s["history"]["loss"].pop(), "history's 'loss' holds 2 steps"),
 }
 
