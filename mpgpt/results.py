@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import re
@@ -159,23 +160,61 @@ def machine_slug(env: dict) -> str:
     return re.sub(r"[^a-z0-9]+", "-", (env.get("gpu") or "cpu").lower()).strip("-")
 
 
+def check_out_dir(out_dir=None) -> Path:
+    """Make ``out_dir`` (default: the current folder) and prove a result file can be written there:
+    the benchmarks call it before they measure anything, so a run never ends with nowhere to write."""
+    out = Path(out_dir) if out_dir is not None else Path.cwd()
+    if out.is_symlink() and not out.exists():
+        raise ValueError(f"--out-dir {out} is a broken symbolic link; remove it or pass another folder")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out-dir {out} is a file, not a folder; pass a folder for the result")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".probe-{os.getpid()}.tmp"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--out-dir {out} cannot hold the result ({e.strerror or e}); pass a folder you can "
+                         "write to") from None
+    return out
+
+
+def _json_safe(value):
+    """``value`` with every float that JSON cannot hold (nan, inf) replaced by None (null)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def write_result(kind: str, payload: dict, out_dir=None, tag: str | None = None, command: str | None = None,
                  environment_extra: dict | None = None) -> Path:
     """Write ``{environment, **payload}`` to ``<out_dir>/<kind>_<machine>_<date>[_<tag>].json``.
 
     ``out_dir`` defaults to the current folder; ``environment_extra`` adds facts about the machine
     (say the CPU model) to the environment. The file is written whole or not at all (a temporary
-    file, then a rename), and an existing file of the same name is replaced."""
+    file, then a rename), and an existing file of the same name is replaced. The environment is the
+    result's provenance, so a payload may not hold a key of that name; a number JSON cannot hold
+    (nan, inf: a failed measurement) is written as null, so the file stays standard JSON."""
     if not re.fullmatch(_NAME, kind) or (tag is not None and not re.fullmatch(_NAME, tag)):
         raise ValueError(f"kind and tag may hold letters, digits, '.' and '-' only; got {kind!r}, {tag!r}")
+    if "environment" in payload:
+        raise ValueError("the payload has a key 'environment', which would replace the result's provenance; "
+                         "rename it (environment_extra adds facts to the environment)")
     env = {**environment(command), **(environment_extra or {})}
-    out = Path(out_dir) if out_dir is not None else Path.cwd()
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_out_dir(out_dir)
     name = f"{kind}_{machine_slug(env)}_{env['date'][:10]}" + (f"_{tag}" if tag else "") + ".json"
     path = out / name
     tmp = path.with_name(f".{name}.tmp")
-    tmp.write_text(json.dumps({"environment": env, **payload}, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    text = json.dumps(_json_safe({"environment": env, **payload}), indent=2, allow_nan=False) + "\n"
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 

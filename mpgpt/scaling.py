@@ -281,12 +281,19 @@ class BaseLossScaler:
         """The scaler's state as plain Python numbers. Save it after ``update()``."""
         return {"scale": self.get_scale()} if self._enabled else {}
 
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raise ValueError, naming the entry, unless ``state_dict`` holds a usable scale (finite, > 0)."""
+        if not isinstance(state_dict, dict) or "scale" not in state_dict:
+            raise ValueError("the scaler state has no 'scale'; it was saved from a disabled scaler or is damaged")
+        _check_scale_value("scale", state_dict["scale"])
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not self._enabled:
             return
         if len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled "
                                "instance of GradScaler. Save the state of an enabled scaler.")
+        self.check_state_dict(state_dict)
         self._init_scale = float(state_dict["scale"])
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
@@ -426,25 +433,8 @@ class DynamicLossScaler(BaseLossScaler):
                  growth_interval: int = 2000, hysteresis: int = 1, min_scale: float | None = None,
                  max_scale: float | None = None, *, consecutive_hysteresis: bool = False,
                  found_inf_reducer: Callable[[torch.Tensor], None] | None = None, enabled: bool = True) -> None:
-        _check_scale_value("init_scale", init_scale)
-        if not growth_factor > 1.0:
-            raise ValueError(f"growth_factor must be > 1 (got {growth_factor}); use e.g. 2.0")
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must lie in (0, 1) (got {backoff_factor}); use e.g. 0.5")
-        if not (isinstance(growth_interval, int) and growth_interval >= 1):
-            raise ValueError(f"growth_interval must be an integer >= 1 (got {growth_interval!r}); use e.g. 2000")
-        if not (isinstance(hysteresis, int) and hysteresis >= 1):
-            raise ValueError(f"hysteresis must be an integer >= 1 (got {hysteresis!r}); use 1 (GradScaler) "
-                             "or 2 (DeepSpeed's default)")
-        if min_scale is not None:
-            _check_scale_value("min_scale", min_scale)
-        if max_scale is not None:
-            _check_scale_value("max_scale", max_scale)
-        if min_scale is not None and max_scale is not None and min_scale > max_scale:
-            raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale}); swap them")
-        if (min_scale is not None and init_scale < min_scale) or (max_scale is not None and init_scale > max_scale):
-            raise ValueError(f"init_scale ({init_scale}) must lie within [min_scale, max_scale] = "
-                             f"[{min_scale}, {max_scale}]; pick an init_scale inside the bounds")
+        _check_dynamic(init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
+                       scale_name="init_scale")
         super().__init__(init_scale, found_inf_reducer=found_inf_reducer, enabled=enabled)
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)
@@ -517,11 +507,35 @@ class DynamicLossScaler(BaseLossScaler):
             "max_scale": self.max_scale,
         }
 
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raise ValueError, naming the entry, unless ``state_dict`` is a state this scaler can run from:
+        the constructor's checks, plus the trackers in range. ``load_state_dict`` runs it first."""
+        if not isinstance(state_dict, dict) or not state_dict:
+            raise ValueError("the scaler state is empty; it was saved from a disabled scaler or is damaged")
+        missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+                   if k not in state_dict]
+        if missing:
+            raise ValueError(f"the scaler state has no {missing[0]!r}")
+        get = lambda key, default: state_dict.get(key, default)  # noqa: E731: GradScaler's has only five keys
+        hysteresis = get("hysteresis", self.hysteresis)
+        _check_dynamic(state_dict["scale"], state_dict["growth_factor"], state_dict["backoff_factor"],
+                       state_dict["growth_interval"], hysteresis, get("min_scale", self.min_scale),
+                       get("max_scale", self.max_scale), scale_name="scale")
+        tracker = state_dict["_growth_tracker"]
+        if not (_is_int(tracker) and 0 <= tracker < state_dict["growth_interval"]):
+            raise ValueError(f"_growth_tracker must be an integer in [0, growth_interval) (got {tracker!r})")
+        allowance = get("_hysteresis_tracker", hysteresis)
+        if not (_is_int(allowance) and 1 <= allowance <= hysteresis):
+            raise ValueError(f"_hysteresis_tracker must be an integer in [1, hysteresis] (got {allowance!r})")
+        if not isinstance(get("consecutive_hysteresis", False), bool):
+            raise ValueError(f"consecutive_hysteresis must be True or False (got {state_dict['consecutive_hysteresis']!r})")
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load our state dict or a ``torch.amp.GradScaler`` one (then hysteresis and bounds stay as built)."""
+        """Load our state dict or a ``torch.amp.GradScaler`` one (then hysteresis and bounds stay as built).
+        Every entry is checked (check_state_dict) before anything changes."""
         if not self._enabled:
             return
-        super().load_state_dict(state_dict)
+        super().load_state_dict(state_dict)  # which runs check_state_dict (this class's) first
         self.growth_factor = float(state_dict["growth_factor"])
         self.backoff_factor = float(state_dict["backoff_factor"])
         self.growth_interval = int(state_dict["growth_interval"])
@@ -548,9 +562,39 @@ def _sum_flags(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 
 def _check_scale_value(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= _FP32_MAX):
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and 0 < value <= _FP32_MAX):
         raise ValueError(f"{name} must be a positive number representable in fp32 (got {value!r}); "
                          "use a power of two such as 2.**16")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_dynamic(scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale, *,
+                   scale_name: str) -> None:
+    """The dynamic scaler's settings, checked alike when it is built and when a saved state is loaded."""
+    _check_scale_value(scale_name, scale)
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+    if not (number(growth_factor) and growth_factor > 1.0):
+        raise ValueError(f"growth_factor must be a finite number > 1 (got {growth_factor!r}); use e.g. 2.0")
+    if not (number(backoff_factor) and 0.0 < backoff_factor < 1.0):
+        raise ValueError(f"backoff_factor must lie in (0, 1) (got {backoff_factor!r}); use e.g. 0.5")
+    if not (_is_int(growth_interval) and growth_interval >= 1):
+        raise ValueError(f"growth_interval must be an integer >= 1 (got {growth_interval!r}); use e.g. 2000")
+    if not (_is_int(hysteresis) and hysteresis >= 1):
+        raise ValueError(f"hysteresis must be an integer >= 1 (got {hysteresis!r}); use 1 (GradScaler) "
+                         "or 2 (DeepSpeed's default)")
+    if min_scale is not None:
+        _check_scale_value("min_scale", min_scale)
+    if max_scale is not None:
+        _check_scale_value("max_scale", max_scale)
+    if min_scale is not None and max_scale is not None and min_scale > max_scale:
+        raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale}); swap them")
+    if (min_scale is not None and scale < min_scale) or (max_scale is not None and scale > max_scale):
+        raise ValueError(f"{scale_name} ({scale}) must lie within [min_scale, max_scale] = "
+                         f"[{min_scale}, {max_scale}]; pick an {scale_name} inside the bounds")
 
 
 class NullScaler:
@@ -580,8 +624,12 @@ class NullScaler:
     def state_dict(self) -> dict:
         return {}
 
+    def check_state_dict(self, state) -> None:
+        if state != {}:
+            raise ValueError("the state holds a loss scale, and this run has no loss scaler")
+
     def load_state_dict(self, state):
-        pass
+        self.check_state_dict(state)
 
 
 class GradScalerAdapter:
@@ -617,7 +665,12 @@ class GradScalerAdapter:
     def state_dict(self) -> dict:
         return self.inner.state_dict()
 
+    def check_state_dict(self, state) -> None:
+        """GradScaler's five keys, checked as DynamicLossScaler checks them (GradScaler checks none)."""
+        DynamicLossScaler().check_state_dict(state)
+
     def load_state_dict(self, state) -> None:
+        self.check_state_dict(state)
         self.inner.load_state_dict(state)
 
 

@@ -7,9 +7,12 @@ the command line.
 skipped-step flag, gradient norm, tokens/s and (on a GPU) MFU, plus validation losses and a sample.
 
 Every refusal is one line on stderr naming what to do instead (exit 2); a run that diverges (a
-non-finite loss, or a loss scale pushed below ``--min-scale``) stops with one line and exit 1, keeping
-its last good checkpoint; Ctrl-C exits 130 and never leaves a half-written checkpoint. Bit-identical
-resume holds on the same device and precision and, on a CPU, the same thread count.
+non-finite loss, or a loss scale pushed below ``--min-scale``) or stalls (every step skipped, or every
+gradient zero) stops with one line and exit 1, keeping its last good checkpoint; Ctrl-C (exit 130) and
+SIGTERM (exit 143) finish a checkpoint being written, say what is kept and never leave a half-written
+one. Bit-identical resume holds on the same device and precision and, on a CPU, the same thread
+count; the resume policy (mpgpt.trainer.resume_policy, printed by ``--help``) says what a resume may
+change.
 
 Run ``python -m mpgpt.train --help`` for the flags. With no flags it trains the tiny preset on the
 embedded corpus with the device's default precision and prints a sample.
@@ -19,8 +22,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
+import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,7 +36,7 @@ from mpgpt.optim16 import VARIANTS
 from mpgpt.scaling import SCALERS
 from mpgpt.distributed import DistributedTrainer, launched_by_torchrun
 from mpgpt.recipe import parse as parse_recipe
-from mpgpt.trainer import DivergenceError, History, Trainer, TrainConfig, lr_at
+from mpgpt.trainer import MAX_SAMPLE_TOKENS, DivergenceError, History, Trainer, TrainConfig, lr_at, resume_policy
 
 __all__ = ["train", "main", "TrainConfig", "History", "Trainer", "lr_at"]
 
@@ -70,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m mpgpt.train",
                 description="Train a small GPT with the mpgpt mixed-precision trainer. With no flags: the tiny "
                             "preset on the embedded corpus, in the device's default precision, then a sample.",
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                epilog=resume_policy(), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", default=d.preset, choices=["tiny", "small", "gpt2"], help="model size")
     p.add_argument("--recipe", default=None,
                    help="how the step runs, as +-joined tokens (mpgpt.recipe), e.g. bf16+compile or 'fastest'; "
@@ -94,9 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out-dir", default=None, help="folder for ckpt.pt (written atomically)")
     p.add_argument("--checkpoint-interval", type=int, default=0, help="also save every N steps")
-    p.add_argument("--resume", default=None, help="checkpoint to continue from")
+    p.add_argument("--resume", default=None, help="checkpoint to continue from (see below for what may change)")
     p.add_argument("--eval-interval", type=int, default=d.eval_interval)
-    p.add_argument("--sample-tokens", type=int, default=d.sample_tokens, help="characters to sample at the end")
+    p.add_argument("--sample-tokens", type=int, default=d.sample_tokens,
+                   help=f"characters to sample at the end (at most {MAX_SAMPLE_TOKENS})")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--fused-clip", action="store_true",
                    help="clip the gradients inside the fused AdamW kernel (CUDA), saving a pass over them")
@@ -141,9 +148,35 @@ def _config_from_flags(args) -> TrainConfig:
         fused_clip=args.fused_clip, cuda_graph=args.cuda_graph, optim16=args.optim16)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler, ``kill``, a closing terminal), handled like Ctrl-C."""
+
+
+def _terminate(signum, frame):
+    raise _Terminated
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None  # like Ctrl-C
+    try:
+        with warnings.catch_warnings():  # notes (a changed --lr on resume, a thread count) as one line each
+            warnings.simplefilter("always")
+            show = warnings.showwarning
+            warnings.showwarning = lambda message, *a, **k: print(f"{parser.prog}: note: {message}", file=sys.stderr)
+            try:
+                return _main(parser, args)
+            finally:
+                warnings.showwarning = show
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(parser, args) -> int:
+    cfg = None
     try:
         cfg = config_from_args(args)
         if cfg.device is not None:
@@ -176,9 +209,13 @@ def main(argv=None) -> int:
             msg = "out of memory; use a smaller --batch-size, --block-size or --preset"
         print(f"{parser.prog}: error: {msg}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"{parser.prog}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        how, code = ("terminated (SIGTERM)", 143) if isinstance(e, _Terminated) else ("interrupted", 130)
+        ckpt = Path(cfg.out_dir) / "ckpt.pt" if cfg is not None and cfg.out_dir else None
+        kept = (f"the checkpoint at {ckpt} is whole; resume with --resume {ckpt}" if ckpt and ckpt.is_file()
+                else "no checkpoint was written")
+        print(f"{parser.prog}: {how}; {kept}", file=sys.stderr)
+        return code
     elapsed = time.perf_counter() - start
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # under torchrun only rank 0 reports (every rank holds the same all-reduced numbers)

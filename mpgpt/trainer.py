@@ -37,22 +37,71 @@ from pathlib import Path
 
 import torch
 
-from mpgpt.checkpoint import (CheckpointError, check_compatible, check_global_batch, check_structure, load_checkpoint,
-                              save_checkpoint)
+from mpgpt.checkpoint import (CheckpointError, check_compatible, check_global_batch, check_optimizer, check_out_dir,
+                              check_rng, check_structure, first_nonfinite, folder_lock, load_checkpoint, save_checkpoint)
 from mpgpt.data import TextDataset, default_corpus, download_tiny_shakespeare, load_text
 from mpgpt.graph_step import GraphedStep
 from mpgpt.optim16 import VARIANTS, AdamW16
 from mpgpt.model import GPT, GPTConfig, peak_flops
 from mpgpt.precision import MasterWeights, resolve_precision
 from mpgpt.recipe import parse as parse_recipe
-from mpgpt.scaling import SCALERS, BaseLossScaler, NullScaler, make_scaler
+from mpgpt.scaling import SCALERS, BaseLossScaler, NullScaler, StaticLossScaler, make_scaler
 
-__all__ = ["TrainConfig", "History", "Trainer", "DivergenceError", "lr_at", "load_dataset", "param_groups"]
+__all__ = ["TrainConfig", "History", "Trainer", "DivergenceError", "lr_at", "load_dataset", "param_groups",
+           "RESUME_MUST_MATCH", "RESUME_MAY_CHANGE", "resume_policy", "usable_static_scales"]
 
 
 class DivergenceError(RuntimeError):
-    """The run diverged (a non-finite loss or weight, or a loss scale pushed below its floor). The last
-    checkpoint written before it (if any) is kept; no checkpoint of the diverged state is written."""
+    """The run diverged (a non-finite loss or weight, or a loss scale pushed below its floor) or stalled
+    (every step skipped, or every gradient zero). The last checkpoint written before it (if any) is
+    kept; no checkpoint of a diverged state is written: before every save the weights, optimizer
+    state and loss scale must be finite, and so must the loss of those weights (Trainer.check_state)."""
+
+
+# The resume policy. A resumed run continues the saved one bit for bit only if everything that shapes
+# its numbers stays the same. The model, precision, scaler and global batch are checked with the
+# weights; these settings are compared too, and a resume that changes one is refused:
+RESUME_MUST_MATCH = ("data", "seed", "grad_accum", "static_scale", "min_scale", "init_scale", "growth_interval",
+                     "hysteresis", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "dropout", "optim16",
+                     "recipe")
+# These may change on purpose (a lower learning rate after a divergence, more steps, another device):
+# the run goes on with a printed note that it is no longer bit-identical to an uninterrupted one, and
+# every such change is recorded in the checkpoints it writes ("resume_changes"). Everything else
+# (where and how often to save, evaluate, print) does not touch the numbers.
+RESUME_MAY_CHANGE = ("lr", "min_lr", "steps", "compile", "fused_clip")
+_FLAGS = {"data": "--data", "seed": "--seed", "grad_accum": "--grad-accum", "static_scale": "--static-scale",
+          "min_scale": "--min-scale", "lr": "--lr", "steps": "--steps", "compile": "--compile",
+          "fused_clip": "--fused-clip", "optim16": "--optim16", "sample_tokens": "--sample-tokens",
+          "recipe": "--recipe"}
+MAX_STEPS = 10 ** 9  # about 30 years at one step a second
+MAX_SAMPLE_TOKENS = 10_000  # a sample is for reading; more is a typo (and minutes of generation)
+
+
+def resume_policy() -> str:
+    """The resume policy in one paragraph (``python -m mpgpt.train --help`` prints it)."""
+    def names(keys):
+        flags = [_FLAGS[k] for k in keys if k in _FLAGS]
+        others = [k for k in keys if k not in _FLAGS]
+        return ", ".join(flags) + (f" (or TrainConfig's {', '.join(others)})" if others else "")
+
+    return ("Resuming (--resume) continues a run bit for bit on the same device, precision and CPU thread "
+            "count. Refused: a different --preset or --block-size, --precision, --scaler, global batch "
+            f"(--batch-size x ranks), {names(RESUME_MUST_MATCH)}. Accepted with a note that the run is no longer "
+            f"bit-identical, recorded in the checkpoints it writes: a different {names(RESUME_MAY_CHANGE)} or "
+            "device.")
+
+
+def usable_static_scales(policy, tokens_per_step: int, vocab_size: int) -> tuple[float, float]:
+    """The static loss scales that can train the package's GPT (a mean cross-entropy loss).
+
+    The loss's gradient reaching the logits is up to scale / tokens_per_step per logit, and it is
+    cast to the dtype the backward pass runs in: below that dtype's smallest number it is zero, and
+    so is every gradient behind it; above its largest, every step overflows and is skipped. The
+    scaled loss itself (about ln(vocab_size) at the start) must be finite in fp32."""
+    info = torch.finfo(policy.autocast_dtype or policy.param_dtype)
+    smallest = info.tiny * info.eps  # the smallest subnormal: 2**-24 in fp16, 2**-149 in fp32
+    return (smallest / 2 * tokens_per_step,  # below half the smallest, a value rounds to 0
+            min(info.max * tokens_per_step, torch.finfo(torch.float32).max / math.log(max(vocab_size, 2))))
 
 
 def total_norm(grads) -> torch.Tensor:
@@ -134,6 +183,9 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.steps > MAX_STEPS:
+            raise ValueError(f"steps must be at most {MAX_STEPS:.0e} (a run that would never end), got {self.steps}; "
+                             "pass a smaller --steps")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.ddp_bucket_mb is not None and not (0 < self.ddp_bucket_mb <= 1e6):
@@ -146,16 +198,22 @@ class TrainConfig:
         if not 0 <= self.seed < 2 ** 63:
             raise ValueError(f"seed must lie in [0, 2**63), got {self.seed}")
         for name in ["lr", "static_scale", "init_scale", "min_scale"]:
-            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
-                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value) and value <= torch.finfo(torch.float32).max):
+                flag = _FLAGS.get(name, f"TrainConfig.{name}")
+                raise ValueError(f"{name} must be a finite number > 0 representable in fp32 (at most 3.4e38), "
+                                 f"got {value}; pass another {flag}")
         if self.init_scale < self.min_scale:
-            raise ValueError(f"init_scale ({self.init_scale}) is below min_scale ({self.min_scale}); "
-                             "raise init_scale or lower min_scale")
+            raise ValueError(f"min_scale ({self.min_scale:g}) is above the initial loss scale ({self.init_scale:g}); "
+                             f"lower --min-scale to at most {self.init_scale:g}")
         for name in ["warmup_steps", "weight_decay", "grad_clip", "sample_tokens", "checkpoint_interval"]:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.recipe is not None:
             parse_recipe(self.recipe)  # a ValueError that names the unknown token
+        if self.sample_tokens > MAX_SAMPLE_TOKENS:
+            raise ValueError(f"sample_tokens must be at most {MAX_SAMPLE_TOKENS}, got {self.sample_tokens}; pass a "
+                             "smaller --sample-tokens (200 reads well)")
         if self.scaler not in SCALERS:
             raise ValueError(f"unknown scaler {self.scaler!r}; choose one of {', '.join(SCALERS)}")
         if self.compile_mode not in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
@@ -264,11 +322,12 @@ class Trainer:
         self.policy = resolve_precision(cfg.precision, self.device)
         self.policy.configure_backends()
         if cfg.out_dir is not None:
-            _check_out_dir(Path(cfg.out_dir))  # before training: a run must not learn at the end it cannot save
+            check_out_dir(cfg.out_dir)  # before training: a run must not learn at the end it cannot save
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
 
         self.data = dataset if dataset is not None else load_dataset(cfg.data)
+        builtin_model = model is None
         if model is None:
             base = GPTConfig.preset(cfg.preset)
             overrides = {"vocab_size": self.data.tokenizer.vocab_size, "dropout": cfg.dropout,
@@ -305,6 +364,8 @@ class Trainer:
         self.scaler = make_scaler(cfg.scaler, self.policy, self.device, static_scale=cfg.static_scale,
                                   init_scale=cfg.init_scale, growth_interval=cfg.growth_interval,
                                   hysteresis=cfg.hysteresis, min_scale=cfg.min_scale)
+        if isinstance(self.scaler, StaticLossScaler) and builtin_model:  # refused now, not after a run of skips
+            self._check_static_scale()
         self.forward = self.compiled(self.model)
         self.graphed = self._graphed_step() if cfg.cuda_graph else None
         self.clips_in_optimizer = ((cfg.fused_clip or cfg.optim16 is not None) and cfg.grad_clip > 0
@@ -313,6 +374,8 @@ class Trainer:
         self.step = 0
         self._pending, self._t_last = [], time.perf_counter()  # steps run() has not logged yet (_flush)
         self.history = History(precision=self.policy.name, device=str(self.device))
+        self.resume_changes: list[str] = []  # what resumes changed on purpose (RESUME_MAY_CHANGE), saved along
+        self._kept_checkpoint: tuple[Path, int] | None = None  # the good checkpoint written or resumed from
         self.flops_per_token = self.model.flops_per_token() if hasattr(self.model, "flops_per_token") else None
         self.peak = peak_flops(self.device)
 
@@ -377,6 +440,20 @@ class Trainer:
             # that is the better place: clip_grad_norm_ would round the clipped gradients to bf16)
         fused = isinstance(self.optimizer, torch.optim.AdamW) and bool(self.optimizer.defaults.get("fused"))
         return fused and not self.cfg.fsdp and isinstance(self.scaler, (NullScaler, BaseLossScaler))
+
+    def _check_static_scale(self) -> None:
+        """Refuse a static loss scale that cannot train this model (usable_static_scales says why)."""
+        cfg = self.cfg
+        tokens = cfg.batch_size * self.block_size * cfg.grad_accum
+        low, high = usable_static_scales(self.policy, tokens, self.model.config.vocab_size)
+        dtype = str(self.policy.autocast_dtype or self.policy.param_dtype).replace("torch.", "")
+        if not low <= cfg.static_scale <= high:
+            why = ("every gradient would be zero: the loss's gradient at the logits, at most scale / "
+                   f"{tokens} tokens, is below the smallest number {dtype}" if cfg.static_scale < low else
+                   "every step would overflow and be skipped: the scaled loss or its gradient at the logits "
+                   f"is above the largest number {dtype}")
+            raise ValueError(f"--static-scale {cfg.static_scale:g} cannot train in {self.policy.name}: {why} "
+                             f"can hold; use a scale in [{low:.3g}, {high:.3g}], e.g. {min(max(1024.0, low), high):g}")
 
     def compiled(self, module):
         """``module`` under torch.compile if the config asks for it, else ``module`` itself."""
@@ -472,8 +549,8 @@ class Trainer:
         return contextlib.nullcontext()
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean validation loss over ``eval_batches`` batches, drawn from a fixed generator.
+    def evaluate(self, batches: int | None = None) -> float:
+        """Mean validation loss over ``batches`` (default ``eval_batches``) batches from a fixed generator.
 
         A separate generator keeps evaluation from shifting the training batches, so a run with
         evaluation takes exactly the same optimizer steps as one without.
@@ -481,7 +558,7 @@ class Trainer:
         self.model.eval()
         gen = torch.Generator().manual_seed(self.cfg.seed + 1)
         losses = []
-        for _ in range(self.cfg.eval_batches):
+        for _ in range(self.cfg.eval_batches if batches is None else batches):
             x, y = self.data.get_batch("val", self.cfg.batch_size, self.block_size, generator=gen)
             with self.policy.autocast(self.device.type):
                 _, loss = self.forward(x.to(self.device), y.to(self.device))
@@ -518,20 +595,62 @@ class Trainer:
             "history": self.history.to_dict(),
             "tokenizer": getattr(self.data.tokenizer, "chars", None),
             "cpu_threads": torch.get_num_threads(),  # CPU results are bit-exact only at the same count
+            "resume_changes": list(self.resume_changes),
         }
 
     def save(self, path) -> Path:
         return save_checkpoint(path, self.state_dict())  # OSError/RuntimeError become CheckpointError there
 
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this process writes the checkpoints: yes, unless it is a rank other than 0 under torchrun."""
+        return int(os.environ.get("RANK", "0")) == 0
+
+    def check_state(self) -> None:
+        """Raise DivergenceError unless the state now is one to keep: every weight, master weight and
+        optimizer tensor finite, the loss scale finite and > 0, and the loss these weights give (one
+        validation batch, after the update that made them) finite. run() calls it before every save
+        and at the end, so "the last good checkpoint" is good: the loss of a step is computed before
+        its update, and an update can wreck weights that are still finite (try --lr 1e30)."""
+        state = self.state_dict()
+        tensors = [(f"model weight {k}", v) for k, v in state["model"].items()]
+        tensors += [(f"master weight {k}", v) for k, v in (state["master"] or {}).items()]
+        tensors += [("optimizer state", v) for v in _tensors(state["optimizer"])]
+        what = first_nonfinite(tensors)
+        what = what and f"{what} is not finite after the update"
+        scale = self.scaler.get_scale()
+        if what is None and not (math.isfinite(scale) and scale > 0):
+            what = f"the loss scale is {scale}"
+        if what is None:
+            hist = self.history
+            loss = hist.val_loss[-1] if hist.val_step and hist.val_step[-1] == self.step else self.evaluate(1)
+            if not math.isfinite(loss):
+                what = f"the loss after the update is {loss}"
+        if what is not None:
+            raise DivergenceError(f"training diverged at step {self.step}: {what}; {self._kept()}; lower --lr "
+                                  "(or use bf16/fp32) and resume from it")
+
+    def _save_checked(self) -> None:
+        """The checkpoint in out_dir, written only from a state check_state found good."""
+        self._flush()  # the checkpoint's History must hold every step, and none may have diverged
+        self.check_state()
+        path = Path(self.cfg.out_dir) / "ckpt.pt"
+        self.save(path)
+        self._kept_checkpoint = (path, self.step)
+
     def load(self, path) -> None:
         """Continue from a checkpoint: validated in full before anything is modified."""
         self.load_state_dict(load_checkpoint(path))
+        self._kept_checkpoint = (Path(path), self.step)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a checkpoint's contents (as read by mpgpt.checkpoint.load_checkpoint).
 
-        Every check runs before anything is modified: structure and types, model, global batch,
-        precision and scaler, tokenizer, and that the checkpoint leaves steps to take."""
+        Every check runs before anything is modified: structure and types, model (names, shapes,
+        dtypes, finite), global batch, precision and scaler, the scaler's and the optimizer's state,
+        the RNG states, the settings the resume policy compares, tokenizer, and that the checkpoint
+        leaves steps to take. A setting changed on purpose (RESUME_MAY_CHANGE) is noted (a warning)
+        and recorded in ``resume_changes``."""
         check_structure(state)
         check_compatible(state, asdict(self.model.config), self.model.state_dict())
         check_global_batch(state, self.cfg.batch_size, self.world_size)
@@ -539,7 +658,7 @@ class Trainer:
             raise CheckpointError(f"checkpoint was written with precision {state.get('precision')} and "
                                   f"{state.get('scaler_type')}, this run uses {self.policy.name} and "
                                   f"{type(self.scaler).__name__}; resume with the same --precision and --scaler")
-        self._check_resumable(state)
+        changes = self._check_resumable(state)
         self.model.load_state_dict(state["model"])
         if self.master is not None:
             self.master.load_state_dict(state["master"])
@@ -556,23 +675,43 @@ class Trainer:
         _set_rng_state(rng, self.data_gen)
         self.step = int(state["step"])
         self.history = History(**{**state["history"], "resumed_at": self.step})
+        self.resume_changes = list(state.get("resume_changes") or []) + changes
+        for change in changes:
+            warnings.warn(f"resuming with {change}: the run is no longer bit-identical to an uninterrupted one "
+                          "(recorded in the checkpoint)", stacklevel=3)
+        threads = state.get("cpu_threads")
+        if self.device.type == "cpu" and threads is not None and threads != torch.get_num_threads():
+            # LayerNorm's backward (its weight/bias gradients) sums per-thread partial results on the
+            # CPU, so the last bits of the gradients depend on the thread count: the run continues
+            # correctly, but not bit for bit as it would have.
+            warnings.warn(f"checkpoint was written with {threads} CPU threads and this run uses "
+                          f"{torch.get_num_threads()}; the resumed run will not be bit-identical to an "
+                          f"uninterrupted one (set OMP_NUM_THREADS={threads} for that)", stacklevel=3)
 
-    def _check_resumable(self, state: dict) -> None:
-        """The checks that need this trainer's live pieces; raise CheckpointError, modify nothing."""
+    def _check_resumable(self, state: dict) -> list[str]:
+        """The checks that need this trainer's live pieces; raise CheckpointError, modify nothing.
+        Returns the settings changed on purpose (RESUME_MAY_CHANGE), to note once the load is done."""
         if self.master is not None:
             live = self.master.state_dict()
             saved = state["master"] or {}
-            if set(saved) != set(live) or any(tuple(saved[k].shape) != tuple(v.shape) for k, v in live.items()):
+            if set(saved) != set(live) or any(not isinstance(saved[k], torch.Tensor) or saved[k].shape != v.shape
+                                              or saved[k].dtype != v.dtype for k, v in live.items()):
                 raise CheckpointError("checkpoint's fp32 master weights do not match the model; resume with "
                                       "the same preset, overrides and --precision")
+            bad = first_nonfinite(saved.items())
+            if bad:
+                raise CheckpointError(f"checkpoint's master weight {bad} holds inf or nan; resume from an earlier "
+                                      "checkpoint")
         if state["optimizer"].get("variant") != (self.cfg.optim16 or None):
             raise CheckpointError(f"checkpoint's optimizer is optim16 {state['optimizer'].get('variant')}, this run's "
                                   f"is {self.cfg.optim16}; resume with the same --optim16")
-        groups = state["optimizer"]["param_groups"]
-        live_groups = self.optimizer.state_dict()["param_groups"]
-        if [len(g.get("params", ())) for g in groups] != [len(g["params"]) for g in live_groups]:
-            raise CheckpointError("checkpoint's optimizer state does not match the model's parameters; "
-                                  "resume with the same preset and overrides")
+        check_optimizer(state["optimizer"], self.optimizer)
+        try:
+            self.scaler.check_state_dict(state["scaler"])
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint's loss-scaler state is damaged ({e}); resume from an earlier "
+                                  "checkpoint or start a new run") from None
+        check_rng(state["rng"])
         unknown = set(state["history"]) - {f.name for f in fields(History)}
         if unknown:
             raise CheckpointError(f"checkpoint's history has unknown fields {sorted(unknown)}; "
@@ -584,14 +723,38 @@ class Trainer:
         if int(state["step"]) >= self.cfg.steps:
             raise CheckpointError(f"checkpoint is already at step {state['step']} and this run stops at "
                                   f"--steps {self.cfg.steps}; pass a larger --steps to train further")
-        threads = state.get("cpu_threads")
-        if self.device.type == "cpu" and threads is not None and threads != torch.get_num_threads():
-            # LayerNorm's backward (its weight/bias gradients) sums per-thread partial results on the
-            # CPU, so the last bits of the gradients depend on the thread count: the run continues
-            # correctly, but not bit for bit as it would have.
-            warnings.warn(f"checkpoint was written with {threads} CPU threads and this run uses "
-                          f"{torch.get_num_threads()}; the resumed run will not be bit-identical to an "
-                          f"uninterrupted one (set OMP_NUM_THREADS={threads} for that)", stacklevel=3)
+        return self._compare_settings(state)
+
+    def _compare_settings(self, state: dict) -> list[str]:
+        """The resume policy (RESUME_MUST_MATCH, RESUME_MAY_CHANGE): refuse a changed setting that must
+        match, in one line naming the flags; return notes for the ones that may change."""
+        saved, live, defaults = state["train_config"], asdict(self.cfg), asdict(TrainConfig())
+        for name in RESUME_MUST_MATCH + RESUME_MAY_CHANGE:
+            if name not in saved and name != "recipe":  # a checkpoint of a run without --recipe may lack it
+                raise CheckpointError(f"checkpoint is incomplete or damaged (its train_config has no {name}); "
+                                      "resume from an earlier checkpoint or start a new run")
+        for name, value in saved.items():
+            if name in defaults and not _same_kind(value, defaults[name]):
+                raise CheckpointError(f"checkpoint is incomplete or damaged (its train_config {name} is {value!r}); "
+                                      "resume from an earlier checkpoint or start a new run")
+        try:  # the saved settings must be ones a run could use (older checkpoints may lack newer fields)
+            TrainConfig(**{k: v for k, v in saved.items() if k in defaults}).validate()
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint is incomplete or damaged (its train_config: {str(e).split(';')[0]}); "
+                                  "resume from an earlier checkpoint or start a new run") from None
+        flag = lambda k, v: f"{_FLAGS.get(k, k)} {v}"  # noqa: E731
+        changed = [k for k in RESUME_MUST_MATCH if saved.get(k) != live[k]]
+        if changed:
+            raise CheckpointError(f"a resume must keep the settings that shape the run; the checkpoint has "
+                                  f"{', '.join(flag(k, saved[k]) for k in changed)}, this run asks for "
+                                  f"{', '.join(flag(k, live[k]) for k in changed)}: pass the checkpoint's values, "
+                                  "or start a new run without --resume")
+        notes = [f"{flag(k, live[k])} (was {saved[k]}) from step {state['step']}"
+                 for k in RESUME_MAY_CHANGE if saved[k] != live[k]]
+        saved_device = state["history"].get("device")
+        if isinstance(saved_device, str) and saved_device and saved_device.split(":")[0] != self.device.type:
+            notes.append(f"device {self.device.type} (was {saved_device}) from step {state['step']}")
+        return notes
 
     # ----------------------------------------------------------------------------------------
     def run(self, after_backward=None, until: int | None = None) -> History:
@@ -600,9 +763,21 @@ class Trainer:
         ``until`` stops early after that many steps (saving a checkpoint if ``out_dir`` is set), as an
         interrupted run would; the schedule still follows ``cfg.steps``, so a resumed run continues it.
         Raises :class:`DivergenceError` on a non-finite loss or a loss scale pushed below its floor,
-        and never writes a checkpoint of a diverged state: the last good one stays.
+        or when the run stalls, and never writes a checkpoint of a diverged state (check_state runs
+        before every save): the last good one stays. With ``out_dir`` the run holds the folder's lock
+        (a second run there is refused) and refuses to overwrite a checkpoint it neither wrote nor
+        resumed from.
         The final checkpoint is written before the sample is drawn, so a failing sample loses nothing.
         """
+        cfg = self.cfg
+        if not (cfg.out_dir and self.writes_checkpoints):
+            return self._run(after_backward, until)
+        check_out_dir(cfg.out_dir)  # again: the folder may have changed since this trainer was built
+        self._refuse_a_foreign_checkpoint(Path(cfg.out_dir) / "ckpt.pt")
+        with folder_lock(cfg.out_dir):  # one run per folder: a second one is refused, not interleaved
+            return self._run(after_backward, until)
+
+    def _run(self, after_backward, until) -> History:
         from tqdm import tqdm
 
         cfg = self.cfg
@@ -628,17 +803,29 @@ class Trainer:
                     self.history.val_loss.append(self.evaluate())
                     self._t_last = time.perf_counter()  # keep evaluation out of tokens/s
                 if cfg.out_dir and cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0 and not last:
-                    self._flush()  # the checkpoint's History must hold every step, and none may have diverged
-                    self.save(Path(cfg.out_dir) / "ckpt.pt")
+                    self._save_checked()
                     self._t_last = time.perf_counter()
         finally:
             bar.close()
-        self._flush()
         if cfg.out_dir:
-            self.save(Path(cfg.out_dir) / "ckpt.pt")  # before sampling: a failing sample loses no training
+            self._save_checked()  # before sampling: a failing sample loses no training
+        else:
+            self._flush()
+            self.check_state()  # without a checkpoint too: a run must not end in a diverged state
         if cfg.sample_tokens and self.step == cfg.steps:
             self.history.sample = self.sample()
         return self.history
+
+    def _refuse_a_foreign_checkpoint(self, path: Path) -> None:
+        """A new run must not overwrite a checkpoint it neither wrote nor resumed from: that is another
+        run's work. (Resuming from it, or a trainer running on after run(until=...), is fine.)"""
+        if not path.exists():
+            return
+        kept = self._kept_checkpoint
+        if kept is not None and kept[0].exists() and os.path.samefile(kept[0], path):
+            return
+        raise CheckpointError(f"{path} holds another run's checkpoint; continue it with --resume {path}, or pass "
+                              "another --out-dir (or move the file away)")
 
     def _flush(self) -> None:
         """Bring the pending steps' values to the host (one copy), append them to the History and stop
@@ -671,6 +858,7 @@ class Trainer:
                 raise DivergenceError(f"training diverged at step {s}: gradients still overflow at the loss "
                                       f"scale's floor (min_scale {self.cfg.min_scale:g}); {self._kept()}; "
                                       "lower --lr or use bf16, and resume from it")
+            self._check_progress(s, gn_v, found_inf > 0, scale)
             hist.step.append(s)
             hist.loss.append(loss_v)
             hist.grad_norm.append(gn_v)
@@ -681,19 +869,57 @@ class Trainer:
             flops = self.flops_per_token
             hist.mfu.append(flops * tps / self.peak if (self.peak and flops) else None)
 
+    def _check_progress(self, step: int, grad_norm: float, skipped: bool, scale: float) -> None:
+        """Stop a run that cannot learn: the last STALL_STEPS steps (or all, in a shorter run) were
+        skipped for inf/nan gradients, or had gradients that are exactly zero (a loss scale so small
+        that fp16 flushes them). Called for each step before it is appended to the History."""
+        hist = self.history
+        n = min(STALL_STEPS, self.cfg.steps)
+        recent = list(zip(hist.skipped[-(n - 1):], hist.grad_norm[-(n - 1):])) if n > 1 else []
+        recent.append((skipped, grad_norm))
+        if len(recent) < n or not all(k or g == 0 for k, g in recent):
+            return
+        static = isinstance(self.scaler, StaticLossScaler)
+        if all(k for k, _ in recent):
+            what = f"were all skipped: their gradients overflow at loss scale {scale:g}"
+            fix = "lower --static-scale" if static else "lower --lr or use bf16"
+        else:
+            what = ("were all skipped or had gradients that are exactly zero" if any(k for k, _ in recent)
+                    else "all had gradients that are exactly zero") + f" (loss scale {scale:g})"
+            fix = ("raise --static-scale" if static else "use --scaler dynamic (or bf16)"
+                   if isinstance(self.scaler, NullScaler) and self.policy.loss_scaling
+                   else "check the model and --data: these gradients are zero before any loss scaling")
+        raise DivergenceError(f"training stalled at step {step}: the last {n} steps {what}; {self._kept()}; "
+                              f"{fix}")
+
     def _kept(self) -> str:
-        path = Path(self.cfg.out_dir) / "ckpt.pt" if self.cfg.out_dir else None
-        if path is not None and path.is_file():
-            return f"the last good checkpoint is kept at {path}"
+        kept = self._kept_checkpoint
+        if kept is not None and kept[0].is_file():
+            return f"the last good checkpoint (step {kept[1]}) is kept at {kept[0]}"
+        if self.cfg.out_dir:
+            return "no checkpoint of this run was written before it"
         return "no checkpoint was written (set --out-dir and --checkpoint-interval to keep one)"
 
 
-def _check_out_dir(out_dir: Path) -> None:
-    """Refuse an out_dir that cannot hold checkpoints, with a one-line reason, before any training."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"out_dir {out_dir} is a file, not a folder; pass a folder for the checkpoints")
-    probe = out_dir
-    while not probe.exists():  # the nearest existing ancestor must let us create the folder
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"out_dir {out_dir} is not writable; pass a folder you can write to")
+STALL_STEPS = 25  # steps in a row that learn nothing (all skipped, or zero gradients) before a run stops
+
+
+def _tensors(obj):
+    """Every tensor inside nested dicts and lists (an optimizer's state_dict)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+
+
+def _same_kind(saved, default) -> bool:
+    """Whether a saved setting has the kind of value its default has: a number for a number, a flag for
+    a flag, text for text, a dict for a dict; where the default is None, None or a number or text."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    if default is None:
+        return saved is None or number(saved) or isinstance(saved, str)
+    return type(saved) is type(default) or (number(saved) and number(default) and not isinstance(default, int))

@@ -253,3 +253,37 @@ def test_the_partials_part_times_the_tables_the_kernels_leave(monkeypatch):
     heads.merge_heads_bias(*(torch.randn(B, n_head, T, hs, device=device) for _ in range(3)), config=heads._CONFIG)
     tables = kb.partial_tables(M=M, C=C)
     assert seen == [tables[name][0] for name in ("layer_norm", "gelu", "merge_heads")]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps must be a positive integer"),
+    (["--warmup", "-1"], "--warmup must be >= 0"),
+    (["--batch-size", "0"], "--batch-size must be a positive integer"),
+    (["--configs", ""], "names no configuration"),
+    (["--configs", " , "], "names no configuration"),
+    (["--preset", "huge"], "unknown preset 'huge'"),
+    (["--out-dir", "/proc/mpgpt-bench"], "cannot hold the result"),
+])
+def test_train_benchmark_refuses_what_it_cannot_measure_before_the_run(capsys, tmp_path, argv, message):
+    argv = ["--configs", "fp32", "--out-dir", str(tmp_path)] + argv
+    assert training.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_train_benchmark_refuses_a_file_as_out_dir(capsys, tmp_path):
+    (tmp_path / "f").write_text("x")
+    assert training.main(["--configs", "fp32", "--out-dir", str(tmp_path / "f")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only refusals")
+def test_benchmarks_on_a_cpu_refuse_or_fail_loudly(capsys, tmp_path):
+    assert ddp.main(["--out-dir", str(tmp_path)]) == 2  # at once, not after minutes of silence
+    assert "this machine has none" in capsys.readouterr().err
+    # tf32 does not exist on a CPU: every row fails, so the run fails (its errors are still written down)
+    assert training.main(["--configs", "tf32", "--preset", "tiny", "--steps", "1", "--warmup", "0",
+                          "--out-dir", str(tmp_path)]) == 1
+    assert "every configuration failed" in capsys.readouterr().err
+    assert len(list(tmp_path.glob("train_*.json"))) == 1

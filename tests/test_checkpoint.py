@@ -1,4 +1,5 @@
 """Checkpoints: atomic writes, and clear refusals of truncated, foreign or mismatched files."""
+import errno
 import os
 
 import pytest
@@ -91,7 +92,8 @@ def _full_state():
             "optimizer": {"state": {}, "param_groups": []}, "scaler": {}, "scaler_type": "NullScaler",
             "precision": "fp32", "rng": {"torch": torch.zeros(2, dtype=torch.uint8),
                                          "data": torch.zeros(2, dtype=torch.uint8), "python": [3, [1, 2], None]},
-            "step": 3, "history": {"step": [], "loss": [], "scale": [], "skipped": []}}
+            "step": 3, "history": {"step": [0, 1, 2], "loss": [4.0, 3.5, 3.2], "scale": [1.0] * 3,
+                                   "skipped": [False] * 3}}
 
 
 @pytest.mark.parametrize("damage", [
@@ -104,8 +106,14 @@ def _full_state():
     lambda s: s["rng"].pop("data"),
     lambda s: s.update(history=None),
     lambda s: s["history"].pop("loss"),
+    lambda s: s["history"]["loss"].pop(),
+    lambda s: s["history"]["scale"].__setitem__(1, "big"),
+    lambda s: s.update(tokenizer=["a", "b"]),
+    lambda s: s.update(resume_changes="lr"),
+    lambda s: s.update(cpu_threads=0),
 ], ids=["no-optimizer", "no-rng", "step-str", "step-negative", "model-not-tensor", "optimizer-no-state",
-        "rng-no-data", "history-none", "history-no-loss"])
+        "rng-no-data", "history-none", "history-no-loss", "history-short", "history-scale-str", "tokenizer-list",
+        "changes-str", "threads-0"])
 def test_check_structure_names_what_is_missing_or_mistyped(damage):
     state = _full_state()
     checkpoint.check_structure(state)  # the intact one passes
@@ -141,3 +149,50 @@ def test_ctrl_c_during_a_write_finishes_it_then_interrupts(tmp_path, monkeypatch
         save_checkpoint(tmp_path / "ckpt.pt", _state())
     assert load_checkpoint(tmp_path / "ckpt.pt")["step"] == 7  # and the checkpoint is whole
     assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+@pytest.mark.parametrize("error, cause, remedy", [
+    (RuntimeError("[enforce fail at inline_container.cc:631] . unexpected pos 2262720 vs 2262612"),
+     "is full", "free space or pass another --out-dir"),
+    (OSError(errno.EFBIG, "File too large"), "file size limit (ulimit -f)", "raise the limit"),
+    (OSError(errno.EROFS, "Read-only file system"), "is not writable", "pass another --out-dir"),
+], ids=["short-write", "ulimit", "read-only"])
+def test_a_failed_write_names_its_cause_and_what_was_kept(tmp_path, monkeypatch, error, cause, remedy):
+    def failing(obj, f, *a, **k):
+        raise error
+
+    monkeypatch.setattr(torch, "save", failing)
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(tmp_path / "ckpt.pt", _state())
+    msg = str(info.value)
+    assert cause in msg and remedy in msg and "no checkpoint was there before" in msg and "unexpected" not in msg
+    monkeypatch.undo()
+    save_checkpoint(tmp_path / "ckpt.pt", _state())
+    monkeypatch.setattr(torch, "save", failing)
+    with pytest.raises(CheckpointError, match="the previous checkpoint is untouched"):
+        save_checkpoint(tmp_path / "ckpt.pt", _state())
+
+
+def test_sigterm_during_a_write_finishes_it_then_reaches_the_programs_handler(tmp_path, monkeypatch):
+    import signal
+    real_save = torch.save
+
+    def save_terminated_halfway(obj, f, *a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(obj, f, *a, **k)
+
+    class Terminated(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        monkeypatch.setattr(torch, "save", save_terminated_halfway)
+        with pytest.raises(Terminated):
+            save_checkpoint(tmp_path / "ckpt.pt", _state())
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert load_checkpoint(tmp_path / "ckpt.pt")["step"] == 7  # written whole before the handler ran
+    assert signal.getsignal(signal.SIGTERM) is previous

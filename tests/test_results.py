@@ -99,3 +99,22 @@ def test_nothing_in_the_package_reads_the_repository_tree():
                  if allowed.get(o.split(":")[0]) not in (root / o.split(":")[0]).read_text(encoding="utf-8")
                  .splitlines()[int(o.split(":")[1]) - 1]]
     assert not offenders, offenders
+
+
+def test_write_result_keeps_the_provenance_and_writes_standard_json(tmp_path):
+    with pytest.raises(ValueError, match="key 'environment'.*provenance"):
+        results.write_result("train", {"environment": {"gpu": "fake"}}, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    path = results.write_result("train", {"rows": [{"ms": float("nan"), "best": float("inf"), "n": [1.5, float("nan")]}]},
+                                tmp_path)
+    strict = json.loads(path.read_text(), parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+    assert strict["rows"] == [{"ms": None, "best": None, "n": [1.5, None]}]
+
+
+def test_write_result_refuses_an_out_dir_that_cannot_hold_it(tmp_path):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    for out, message in [(tmp_path / "file", "is a file, not a folder"), (tmp_path / "link", "broken symbolic link"),
+                         ("/proc/mpgpt-results", "cannot hold the result")]:
+        with pytest.raises(ValueError, match=message):
+            results.write_result("train", {"rows": []}, out)

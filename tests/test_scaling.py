@@ -779,3 +779,37 @@ def test_deferred_unscale_is_refused_where_the_gradients_would_stay_scaled():
     with pytest.raises(RuntimeError, match="once per iteration"):
         scaler.defer_unscale_(fused, found_inf=torch.tensor(False))
 
+
+
+# ------------------------------------------------------------------------------------- saved states checked
+@pytest.mark.parametrize("bad", [
+    {"scale": NAN}, {"scale": INF}, {"scale": -5.0}, {"scale": 0.0}, {"scale": "2"}, {"scale": True},
+    {"growth_interval": 0}, {"growth_interval": -3}, {"growth_interval": 2.7},
+    {"growth_factor": 0.1}, {"growth_factor": NAN}, {"growth_factor": INF}, {"backoff_factor": 3.0},
+    {"hysteresis": 0}, {"min_scale": 1e9}, {"max_scale": -1.0}, {"max_scale": 2.0},
+    {"_growth_tracker": -10 ** 6}, {"_growth_tracker": 10 ** 12}, {"_hysteresis_tracker": 5},
+    {"consecutive_hysteresis": "yes"},
+], ids=repr)
+def test_load_state_dict_refuses_a_state_that_cannot_run_and_changes_nothing(bad):
+    s = DynamicLossScaler(init_scale=2.0 ** 10, growth_interval=4, hysteresis=2, min_scale=1.0)
+    _drive(s, "FFI")
+    before = s.state_dict()
+    with pytest.raises(ValueError, match="must|no '"):
+        s.load_state_dict({**before, **bad})
+    assert s.state_dict() == before
+    assert s.get_scale() == before["scale"]
+
+
+def test_the_other_scalers_check_a_saved_state_too():
+    static = StaticLossScaler(8.0)
+    for bad in [NAN, 0.0, -1.0, INF]:
+        with pytest.raises(ValueError, match="scale must be a positive number"):
+            static.load_state_dict({"scale": bad})
+    assert static.get_scale() == 8.0
+    from mpgpt.scaling import GradScalerAdapter, NullScaler
+
+    adapter = GradScalerAdapter("cpu")
+    with pytest.raises(ValueError, match="growth_interval must be"):
+        adapter.load_state_dict({**torch.amp.GradScaler("cpu").state_dict(), "growth_interval": 0})
+    with pytest.raises(ValueError, match="this run has no loss scaler"):
+        NullScaler().load_state_dict({"scale": 4.0})

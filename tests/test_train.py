@@ -456,3 +456,182 @@ def test_cli_summary_after_a_resume_counts_this_runs_steps_and_keeps_the_history
                  "--sample-tokens", "0", "--eval-interval", "100"])
     out = capsys.readouterr().out
     assert code == 0 and "trained 10 steps (resumed at step 5; 15 in all)" in out, out
+
+
+# ------------------------------------------------------------------------------------------------
+# Every part of a checkpoint validated before anything is loaded; the resume policy; output paths
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fp16_state(tmp_path_factory):
+    """A checkpoint of a short fp16 run with dynamic loss scaling (it has scaler and Adam state)."""
+    folder = tmp_path_factory.mktemp("fp16")
+    Trainer(_cfg(precision="fp16", steps=3, out_dir=str(folder))).run()
+    return torch.load(folder / "ckpt.pt", weights_only=True)
+
+
+def _adam(state):
+    return next(iter(state["optimizer"]["state"].values()))
+
+
+DAMAGES = {
+    "scale-nan": (lambda s: s["scaler"].update(scale=float("nan")), "scale must be a positive number"),
+    "scale-inf": (lambda s: s["scaler"].update(scale=float("inf")), "scale must be a positive number"),
+    "scale-negative": (lambda s: s["scaler"].update(scale=-5.0), "scale must be a positive number"),
+    "scale-zero": (lambda s: s["scaler"].update(scale=0.0), "scale must be a positive number"),
+    "scale-str": (lambda s: s["scaler"].update(scale="big"), "scale must be a positive number"),
+    "growth-interval-0": (lambda s: s["scaler"].update(growth_interval=0), "growth_interval must be an integer"),
+    "growth-interval-float": (lambda s: s["scaler"].update(growth_interval=2.7), "growth_interval must be an int"),
+    "growth-factor-small": (lambda s: s["scaler"].update(growth_factor=0.1), "growth_factor must be"),
+    "growth-factor-nan": (lambda s: s["scaler"].update(growth_factor=float("nan")), "growth_factor must be"),
+    "backoff-3": (lambda s: s["scaler"].update(backoff_factor=3.0), "backoff_factor must lie in"),
+    "hysteresis-0": (lambda s: s["scaler"].update(hysteresis=0), "hysteresis must be an integer"),
+    "min-scale-above": (lambda s: s["scaler"].update(min_scale=1e9), "must lie within"),
+    "max-scale-negative": (lambda s: s["scaler"].update(max_scale=-1.0), "max_scale must be a positive"),
+    "tracker-negative": (lambda s: s["scaler"].update(_growth_tracker=-10 ** 6), "_growth_tracker must be"),
+    "tracker-huge": (lambda s: s["scaler"].update(_growth_tracker=10 ** 12), "_growth_tracker must be"),
+    "rng-torch-cut": (lambda s: s["rng"].update(torch=s["rng"]["torch"][:100]), "random-number-generator"),
+    "rng-python": (lambda s: s["rng"].update(python=[3, [1, 2, 3], None]), "random-number-generator"),
+    "adam-shape": (lambda s: _adam(s).update(exp_avg=torch.zeros(3)), "exp_avg is \\(3,\\)"),
+    "adam-nan": (lambda s: _adam(s)["exp_avg"].view(-1).__setitem__(0, float("nan")), "exp_avg is not finite"),
+    "adam-negative": (lambda s: _adam(s)["exp_avg_sq"].view(-1).__setitem__(0, -1.0), "negative entries"),
+    "adam-step": (lambda s: _adam(s).update(step=torch.tensor(float("nan"))), "step count"),
+    "betas": (lambda s: s["optimizer"]["param_groups"][0].update(betas=(5.0, -1.0)), "betas \\(5.0, -1.0\\)"),
+    "eps": (lambda s: s["optimizer"]["param_groups"][0].update(eps=0.0), "eps 0.0"),
+    "weight-nan": (lambda s: s["model"]["lm_head.weight"].view(-1).__setitem__(0, float("nan")), "inf or nan"),
+    "weight-dtype": (lambda s: s["model"].update({"lm_head.weight": s["model"]["lm_head.weight"].double()}),
+                     "is torch.float64"),
+    "train-config-empty": (lambda s: s.update(train_config={}), "batch size is missing"),
+    "train-config-str": (lambda s: s["train_config"].update(batch_size="four"), "batch size is missing"),
+    "train-config-seed": (lambda s: s["train_config"].update(seed="x"), "train_config seed is 'x'"),
+    "train-config-steps": (lambda s: s["train_config"].update(steps=None), "train_config steps is None"),
+    "train-config-lr": (lambda s: s["train_config"].update(lr=float("inf")), "train_config: lr must be a finite"),
+    "train-config-no-lr": (lambda s: s["train_config"].pop("lr"), "train_config has no lr"),
+    "history-short": (lambda s: s["history"]["loss"].pop(), "history's 'loss' holds 2 steps"),
+}
+
+
+@pytest.mark.parametrize("name", list(DAMAGES))
+def test_every_damaged_part_is_refused_in_one_line_before_anything_is_loaded(fp16_state, name):
+    damage, message = DAMAGES[name]
+    state = copy.deepcopy(fp16_state)
+    damage(state)
+    fresh = Trainer(_cfg(precision="fp16", steps=4))
+    fresh.run(until=1)  # live optimizer and scaler state, so "untouched" means something
+    weights, scaler = _weights(fresh), fresh.scaler.state_dict()
+    adam = copy.deepcopy(fresh.optimizer.state_dict())
+    rng = torch.get_rng_state()
+    with pytest.raises(CheckpointError, match=message) as info:
+        fresh.load_state_dict(state)
+    assert len(str(info.value).splitlines()) == 1
+    assert _unchanged(fresh, weights) and fresh.scaler.state_dict() == scaler and fresh.step == 1
+    moments = lambda sd: next(iter(sd["state"].values())).values()  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(moments(adam), moments(fresh.optimizer.state_dict())))
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_resume_refuses_settings_that_change_the_run_and_names_the_flags(tmp_path, capsys):
+    base = ["--steps", "4", "--batch-size", "2", "--block-size", "16", "--no-progress", "--sample-tokens", "0"]
+    assert main(base + ["--steps", "2", "--out-dir", str(tmp_path)]) == 0
+    ckpt = tmp_path / "ckpt.pt"
+    before = ckpt.read_bytes()
+    capsys.readouterr()
+    for flags, named in [(["--seed", "7"], "--seed 1337"), (["--grad-accum", "2"], "--grad-accum 1"),
+                         (["--min-scale", "2"], "--min-scale 1.0"), (["--data", str(_text(tmp_path))], "--data")]:
+        assert main(base + ["--resume", str(ckpt), "--out-dir", str(tmp_path)] + flags) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and named in err and "pass the checkpoint's values" in err, err
+    fp16 = ["--precision", "fp16", "--scaler", "static"]
+    assert main(base + fp16 + ["--steps", "2", "--out-dir", str(tmp_path / "s")]) == 0
+    assert main(base + fp16 + ["--resume", str(tmp_path / "s" / "ckpt.pt"), "--static-scale", "64"]) == 2
+    assert "--static-scale 1024.0" in capsys.readouterr().err
+    assert ckpt.read_bytes() == before
+
+
+def _text(folder):
+    from mpgpt.data import default_corpus
+
+    path = folder / "other.txt"
+    path.write_text(default_corpus()[::-1])  # another text with the same alphabet
+    return path
+
+
+def test_resume_with_a_lower_lr_is_noted_and_recorded(tmp_path, capsys):
+    base = ["--batch-size", "2", "--block-size", "16", "--no-progress", "--sample-tokens", "0",
+            "--out-dir", str(tmp_path)]
+    assert main(base + ["--steps", "2"]) == 0
+    assert main(base + ["--steps", "4", "--lr", "1e-4", "--resume", str(tmp_path / "ckpt.pt")]) == 0
+    err = capsys.readouterr().err
+    assert "note: resuming with --lr 0.0001 (was 0.002) from step 2: the run is no longer bit-identical" in err
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert state["train_config"]["lr"] == 1e-4 and state["train_config"]["steps"] == 4
+    assert state["resume_changes"] == ["--lr 0.0001 (was 0.002) from step 2", "--steps 4 (was 2) from step 2"]
+
+
+def test_help_states_the_resume_policy():
+    text = subprocess.run([sys.executable, "-m", "mpgpt.train", "--help"], capture_output=True, text=True).stdout
+    flat = " ".join(text.split())
+    assert "Refused: a different --preset" in flat and "--grad-accum" in flat and "--seed" in flat
+    assert "Accepted with a note that the run is no longer bit-identical" in flat and "--lr" in flat
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: (d / "out").symlink_to(d / "nowhere"), "is a broken symbolic link"),
+    (lambda d: (d / "out" / "ckpt.pt").mkdir(parents=True), "ckpt.pt is a folder, where the checkpoint goes"),
+    (lambda d: ((d / "out").mkdir(), (d / "out" / "ckpt.pt").symlink_to(d / "nowhere")), "broken symbolic link"),
+    (lambda d: (d / "out").write_text("x"), "is a file, not a folder"),
+], ids=["dangling-out-dir", "ckpt-is-a-folder", "dangling-ckpt", "out-dir-is-a-file"])
+def test_output_paths_that_cannot_take_a_checkpoint_are_refused_before_training(tmp_path, make, message):
+    make(tmp_path)
+    with pytest.raises(CheckpointError, match=message):
+        Trainer(_cfg(out_dir=str(tmp_path / "out")))
+
+
+def test_an_out_dir_that_cannot_be_written_is_refused_before_training(capsys):
+    code = main(["--steps", "2", "--batch-size", "2", "--no-progress", "--out-dir", "/proc/mpgpt-run"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "is not writable" in err, err
+
+
+def test_a_new_run_does_not_overwrite_another_runs_checkpoint(tmp_path):
+    Trainer(_cfg(steps=2, out_dir=str(tmp_path))).run()
+    before = (tmp_path / "ckpt.pt").read_bytes()
+    with pytest.raises(CheckpointError, match="holds another run's checkpoint; continue it with --resume"):
+        Trainer(_cfg(steps=2, out_dir=str(tmp_path))).run()
+    assert (tmp_path / "ckpt.pt").read_bytes() == before
+    resumed = Trainer(_cfg(steps=4, out_dir=str(tmp_path)))
+    resumed.load(tmp_path / "ckpt.pt")
+    resumed.run()  # continuing it is fine
+
+
+def test_a_folder_held_by_another_run_is_refused(tmp_path):
+    from mpgpt.checkpoint import folder_lock
+
+    with folder_lock(tmp_path):  # as another process running in it would hold it
+        with pytest.raises(CheckpointError, match="is in use by another run"):
+            Trainer(_cfg(steps=2, out_dir=str(tmp_path))).run()
+    assert not (tmp_path / "ckpt.pt").exists()
+    Trainer(_cfg(steps=2, out_dir=str(tmp_path))).run()  # free again once the holder is done
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lr", "1e39"], "pass another --lr"),
+    (["--sample-tokens", "100000000"], "pass a smaller --sample-tokens"),
+    (["--min-scale", "1e6"], "lower --min-scale to at most 65536"),
+    (["--scaler", "static", "--static-scale", "3e38"], "--static-scale 3e+38 cannot train"),
+])
+def test_more_cli_refusals_name_the_flag(capsys, argv, message):
+    assert main(argv + ["--no-progress", "--steps", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "init-scale" not in err, err
+
+
+def test_cli_resume_from_a_damaged_checkpoint_is_one_line(tmp_path, capsys):
+    base = ["--batch-size", "2", "--block-size", "16", "--no-progress", "--sample-tokens", "0"]
+    assert main(base + ["--steps", "2", "--out-dir", str(tmp_path)]) == 0
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    state["train_config"] = {}
+    torch.save(state, tmp_path / "bad.pt")
+    capsys.readouterr()
+    assert main(base + ["--steps", "4", "--resume", str(tmp_path / "bad.pt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "incomplete or damaged" in err, err

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mpgpt.bench.training import SyntheticTokens
+from mpgpt.bench.training import SyntheticTokens, check_counts
 from mpgpt.distributed import DistributedTrainer, dist_env, first_failure, launch
 from mpgpt.model import GPT, GPTConfig
 from mpgpt.recipe import parse
-from mpgpt.results import check_tag, write_result
+from mpgpt.results import check_out_dir, check_tag, write_result
 from mpgpt.trainer import Trainer, TrainConfig
 
 __all__ = ["bench", "worker", "main"]
@@ -194,9 +194,18 @@ def main(argv=None) -> int:
                    help="with compile: one graph, not Dynamo's split at DDP buckets (optimize_ddp=False)")
     args = b.parse_args(argv)
     try:
+        if not torch.cuda.is_available():
+            raise ValueError("the distributed benchmark measures GPUs and this machine has none; run it on a "
+                             "machine with CUDA GPUs")
         check_supported(args.config)
+        problem = (check_counts(args, "batch_size", "steps", positive=True) or check_counts(args, "warmup")
+                   or (args.nproc is not None and args.nproc < 1 and f"--nproc must be a positive integer, got {args.nproc}"))
+        if problem:
+            raise ValueError(problem)
+        check_out_dir(args.out_dir)  # a folder that cannot take the result fails now, not after the run
     except ValueError as error:
-        b.error(str(error))
+        print(f"{b.prog}: error: {error}", file=sys.stderr)
+        return 2
     bench(args.preset, args.config, args.batch_size, args.block_size, args.nproc, args.warmup, args.steps,
           not args.no_fsdp, args.out_dir, args.tag, args.bucket_mb, args.whole_graph,
           command=shlex.join(["python", "-m", "mpgpt.bench", "ddp", *argv]))

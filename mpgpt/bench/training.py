@@ -27,7 +27,7 @@ from mpgpt.bench.timeline import timeline_summary
 from mpgpt.data import TextDataset, default_corpus
 from mpgpt.model import GPT, PEAK_BF16, GPTConfig, mfu, peak_flops
 from mpgpt.recipe import ALIASES, parse
-from mpgpt.results import check_tag, write_result
+from mpgpt.results import check_out_dir, check_tag, write_result
 from mpgpt.trainer import Trainer, TrainConfig
 
 __all__ = ["TRAIN_CONFIGS", "SyntheticTokens", "make_trainer", "bench_train", "real_run", "largest_batch", "main"]
@@ -488,6 +488,23 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     command = shlex.join(["python", "-m", "mpgpt.bench", "train", *argv])
     names = expand_configs(args.configs)
+    problem = check_counts(args, "batch_size", "steps", "real_steps", positive=True) or check_counts(args, "warmup")
+    if args.block_size is not None and args.block_size < 1:
+        problem = f"--block-size must be a positive integer, got {args.block_size}"
+    if not names:
+        problem = f"--configs {args.configs!r} names no configuration; pass e.g. --configs fp32,bf16"
+    try:
+        GPTConfig.preset(args.preset)
+    except ValueError as e:
+        problem = f"--preset: {e}"
+    if problem is None:
+        try:
+            check_out_dir(args.out_dir)  # a folder that cannot take the result fails now, not after the run
+        except ValueError as e:
+            problem = str(e)
+    if problem:
+        print(f"python -m mpgpt.bench train: error: {problem}", file=sys.stderr)
+        return 2
     profiled = [n.strip() for n in (args.profile or "").split(",") if n.strip()]
     extra = [args.max_batch_config, args.real_run_config, *profiled]
     for n in names + [e for e in extra if e]:
@@ -496,7 +513,6 @@ def main(argv=None) -> int:
         except ValueError as e:
             print(f"python -m mpgpt.bench train: error: {e}", file=sys.stderr)
             return 2
-    Path(args.out_dir).mkdir(parents=True, exist_ok=True)  # a folder that cannot be made fails now, not after the run
     rows = bench_train(names, args.preset, args.batch_size, args.block_size, args.warmup, args.steps,
                        args.activation_checkpointing, profiled)
     payload = {"benchmark": "train", "rows": rows}
@@ -514,7 +530,22 @@ def main(argv=None) -> int:
             print(f"real run {args.real_run_config}: {e}", flush=True)
     path = write_result("train", payload, args.out_dir, tag=args.tag, command=command)
     print(f"\nwrote {path}")
+    if all("error" in r for r in payload["rows"]):
+        print(f"python -m mpgpt.bench train: error: every configuration failed (first: {payload['rows'][0]['error']}); "
+              f"the errors are in {path}", file=sys.stderr)
+        return 1
     return 0
+
+
+def check_counts(args, *names, positive=False) -> str | None:
+    """The first of ``args``' integer options ``names`` that is negative (or, if ``positive``, below 1), as a
+    one-line complaint naming the flag; None if all are fine."""
+    for name in names:
+        value = getattr(args, name)
+        if value < (1 if positive else 0):
+            return (f"--{name.replace('_', '-')} must be {'a positive integer' if positive else '>= 0'}, "
+                    f"got {value}")
+    return None
 
 
 if __name__ == "__main__":
