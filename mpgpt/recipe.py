@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mpgpt import runtime
+
 from mpgpt.results import find_record
 
 __all__ = ["Recipe", "Token", "TOKENS", "ALIASES", "parse", "explain", "main"]
@@ -308,7 +310,7 @@ class Recipe:
     def check_device(self, device) -> None:
         """Raise ValueError, in one line, if a token needs what ``device`` lacks."""
         device = torch.device(device)
-        cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        cap = runtime.capability(device) if device.type == "cuda" else None
         for token in self.tokens:
             need = _token(token).needs
             if need == "triton" and cap is not None and importlib.util.find_spec("triton") is None:
